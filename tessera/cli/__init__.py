@@ -1,0 +1,35 @@
+"""Command dispatch: each command lives in its own module with a `main(argv) -> int`.
+
+Modules are imported only when their command runs, so `tessera --help` stays fast.
+"""
+
+import importlib
+import sys
+
+# command name -> (module, one-line description)
+COMMANDS = {
+    "train": ("tessera.cli.train", "train a model (Megatron-LM flag names)"),
+    "flops": ("tessera.cli.flops", "parameters, FLOPs per token/iteration and the MFU a speed means"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: tessera <command> [options]", "", "commands:"]
+    width = max(len(name) for name in COMMANDS)
+    for name, (_, description) in COMMANDS.items():
+        lines.append(f"  {name:<{width}}  {description}")
+    lines.append("")
+    lines.append("Run `tessera <command> --help` for the options of one command.")
+    return "\n".join(lines)
+
+
+def run(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"tessera: unknown command '{name}'\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return module.main(rest)

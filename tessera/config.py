@@ -1,0 +1,321 @@
+"""Run configuration: one dataclass per concern, Megatron-LM flag names, validated once.
+
+Every field is a command-line flag: field `foo_bar` is `--foo-bar`, exactly as in
+Megatron-LM's `pretrain_gpt.py`, so existing launch scripts keep their flags. The same
+names (with `_` or `-`) are the keys of a YAML config file. Values are layered:
+dataclass defaults < `--model PRESET` < `--config run.yaml` < command-line flags.
+`tessera.cli.args` turns these dataclasses into the argument parser.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad or inconsistent setting; the message names the flag(s) involved."""
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def option(default: Any, help: str, choices: tuple | None = None, **metadata: Any) -> Any:
+    """A config field with its --help text (and allowed values) for the CLI."""
+    metadata = {"help": help, "choices": choices, **metadata}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def _positive(obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        _require(value is None or value > 0, f"{flag(name)} must be positive, got {value}")
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a decoder-only transformer (GPT-2/3, LLaMA, Qwen, Mistral)."""
+
+    num_layers: int = option(None, "number of transformer blocks", required=True)
+    hidden_size: int = option(None, "width of the residual stream", required=True)
+    ffn_hidden_size: int | None = option(None, "MLP inner width (default 4*hidden, or 8/3*hidden rounded down to 64 with --swiglu)")
+    num_attention_heads: int = option(None, "attention heads", required=True)
+    group_query_attention: bool = option(False, "use grouped-query attention (with --num-query-groups)")
+    num_query_groups: int | None = option(None, "key/value heads under --group-query-attention")
+    kv_channels: int | None = option(None, "head dimension (default hidden/heads)")
+    seq_length: int = option(None, "training sequence length", required=True)
+    max_position_embeddings: int | None = option(None, "size of the learned position table (default --seq-length)")
+    vocab_size: int | None = option(None, "tokenizer vocabulary size (padded, see --make-vocab-size-divisible-by)")
+    make_vocab_size_divisible_by: int = option(128, "pad the vocabulary to a multiple of this (times the TP size)")
+    position_embedding_type: str = option("learned_absolute", "position encoding", ("learned_absolute", "rope", "none"))
+    rotary_base: float = option(10000.0, "RoPE base (theta)")
+    rotary_percent: float = option(1.0, "fraction of each head dimension that RoPE rotates")
+    normalization: str = option("LayerNorm", "normalization layer", ("LayerNorm", "RMSNorm"))
+    norm_epsilon: float = option(1e-5, "epsilon of the normalization layers")
+    swiglu: bool = option(False, "gated SiLU MLP (LLaMA) instead of GeLU")
+    disable_bias_linear: bool = option(False, "no biases in linear layers")
+    add_qkv_bias: bool = option(False, "biases on the QKV projection even with --disable-bias-linear (Qwen)")
+    untie_embeddings_and_output_weights: bool = option(False, "separate output layer instead of the input embedding")
+    hidden_dropout: float = option(0.1, "dropout on the residual branches")
+    attention_dropout: float = option(0.1, "dropout on the attention probabilities")
+    init_method_std: float = option(0.02, "std of the normal initialisation (output projections are scaled by 1/sqrt(2*layers))")
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+            _require(getattr(self, name) is not None, f"{flag(name)} is required (or pick --model PRESET)")
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = (
+                int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu else 4 * self.hidden_size
+            )
+        if self.kv_channels is None:
+            _require(
+                self.hidden_size % self.num_attention_heads == 0,
+                f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
+                f"({self.num_attention_heads}), or give --kv-channels",
+            )
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if not self.group_query_attention:
+            _require(
+                self.num_query_groups in (None, self.num_attention_heads),
+                "--num-query-groups needs --group-query-attention",
+            )
+            self.num_query_groups = self.num_attention_heads
+        _require(self.num_query_groups is not None, "--group-query-attention needs --num-query-groups")
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        _positive(self, "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                  "num_query_groups", "kv_channels", "seq_length", "max_position_embeddings",
+                  "vocab_size", "make_vocab_size_divisible_by", "norm_epsilon", "init_method_std")
+        _require(
+            self.num_attention_heads % self.num_query_groups == 0,
+            f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
+            f"--num-query-groups ({self.num_query_groups})",
+        )
+        if self.position_embedding_type == "learned_absolute":
+            _require(
+                self.max_position_embeddings >= self.seq_length,
+                f"--max-position-embeddings ({self.max_position_embeddings}) must be at least "
+                f"--seq-length ({self.seq_length})",
+            )
+        if self.position_embedding_type == "rope":
+            rotary_dim = self.kv_channels * self.rotary_percent
+            _require(
+                0 < self.rotary_percent <= 1 and rotary_dim == int(rotary_dim) and int(rotary_dim) % 2 == 0,
+                f"--rotary-percent ({self.rotary_percent}) x --kv-channels ({self.kv_channels}) "
+                "must be a positive even number of channels",
+            )
+        for name in ("hidden_dropout", "attention_dropout"):
+            _require(0.0 <= getattr(self, name) < 1.0, f"{flag(name)} must be in [0, 1)")
+
+    @property
+    def add_bias_linear(self) -> bool:
+        return not self.disable_bias_linear
+
+    @property
+    def tie_embeddings(self) -> bool:
+        return not self.untie_embeddings_and_output_weights
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.kv_channels * self.rotary_percent)
+
+    def padded_vocab_size(self, tp_size: int = 1) -> int:
+        """Vocabulary padded so that every tensor-parallel shard is a multiple of the divisor."""
+        _require(self.vocab_size is not None, "--vocab-size is required (or give a tokenizer / data)")
+        multiple = self.make_vocab_size_divisible_by * tp_size
+        return math.ceil(self.vocab_size / multiple) * multiple
+
+
+@dataclass
+class ParallelConfig:
+    """How the model and the batch are split over GPUs; data parallel takes what remains."""
+
+    tensor_model_parallel_size: int = option(1, "tensor-parallel ranks (split each layer's weights)")
+    pipeline_model_parallel_size: int = option(1, "pipeline stages (split the layers)")
+    context_parallel_size: int = option(1, "context-parallel ranks (split the sequence in attention)")
+    expert_model_parallel_size: int = option(1, "expert-parallel ranks (split MoE experts)")
+    sequence_parallel: bool = option(False, "shard norms and dropout along the sequence (needs TP > 1)")
+
+    def __post_init__(self) -> None:
+        _positive(self, "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                  "context_parallel_size", "expert_model_parallel_size")
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+
+    def data_parallel_size(self, world_size: int) -> int:
+        _require(
+            world_size % self.model_parallel_size == 0,
+            f"world size ({world_size}) must be divisible by --tensor-model-parallel-size "
+            f"({self.tensor_model_parallel_size}) x --pipeline-model-parallel-size "
+            f"({self.pipeline_model_parallel_size}) x --context-parallel-size ({self.context_parallel_size})",
+        )
+        return world_size // self.model_parallel_size
+
+
+@dataclass
+class DataConfig:
+    """Where training samples come from."""
+
+    mock_data: bool = option(False, "train on deterministic synthetic tokens instead of a dataset")
+    num_workers: int = option(2, "DataLoader worker processes")
+
+    def __post_init__(self) -> None:
+        _require(self.num_workers >= 0, "--num-workers must be >= 0")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW, learning-rate schedule and gradient clipping."""
+
+    optimizer: str = option("adam", "optimizer (AdamW semantics)", ("adam",))
+    lr: float = option(None, "peak learning rate", required=True)
+    min_lr: float = option(0.0, "learning rate at the end of decay")
+    lr_decay_style: str = option("linear", "learning-rate decay", ("constant", "linear", "cosine", "inverse-square-root", "WSD"))
+    lr_decay_iters: int | None = option(None, "iterations over which to decay (default --train-iters)")
+    lr_warmup_iters: int = option(0, "linear warmup iterations")
+    lr_warmup_fraction: float | None = option(None, "warmup as a fraction of --lr-decay-iters (instead of --lr-warmup-iters)")
+    lr_warmup_init: float = option(0.0, "learning rate at the start of warmup")
+    lr_wsd_decay_style: str = option("exponential", "shape of the WSD decay phase", ("exponential", "linear", "cosine", "minus_sqrt"))
+    lr_wsd_decay_iters: int | None = option(None, "length of the WSD decay phase at the end of --lr-decay-iters")
+    weight_decay: float = option(0.01, "decoupled weight decay (not applied to norms and biases)")
+    adam_beta1: float = option(0.9, "Adam beta1")
+    adam_beta2: float = option(0.999, "Adam beta2")
+    adam_eps: float = option(1e-8, "Adam epsilon")
+    clip_grad: float = option(1.0, "clip the global gradient norm to this (0 disables)")
+
+    def __post_init__(self) -> None:
+        _require(self.lr is not None, "--lr is required")
+        _require(self.lr >= 0 and self.min_lr >= 0, "--lr and --min-lr must be >= 0")
+        _require(self.min_lr <= self.lr, f"--min-lr ({self.min_lr}) must not exceed --lr ({self.lr})")
+        _require(self.lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0")
+        if self.lr_warmup_fraction is not None:
+            _require(self.lr_warmup_iters == 0, "give --lr-warmup-fraction or --lr-warmup-iters, not both")
+            _require(0 <= self.lr_warmup_fraction <= 1, "--lr-warmup-fraction must be in [0, 1]")
+        for name in ("adam_beta1", "adam_beta2"):
+            _require(0 <= getattr(self, name) < 1, f"{flag(name)} must be in [0, 1)")
+        _positive(self, "adam_eps", "lr_decay_iters", "lr_wsd_decay_iters")
+        _require(self.weight_decay >= 0 and self.clip_grad >= 0, "--weight-decay and --clip-grad must be >= 0")
+        if self.lr_decay_style == "WSD":
+            _require(self.lr_wsd_decay_iters is not None, "--lr-decay-style WSD needs --lr-wsd-decay-iters")
+
+
+@dataclass
+class TrainConfig:
+    """Batch, length of the run, precision, recompute, logging."""
+
+    micro_batch_size: int = option(1, "sequences per micro-batch per data-parallel rank")
+    global_batch_size: int | None = option(None, "sequences per iteration over all ranks (default micro x DP)")
+    train_iters: int = option(None, "iterations to train", required=True)
+    seed: int = option(1234, "random seed (initialisation, dropout, data order)")
+    bf16: bool = option(False, "bf16 mixed precision (fp32 master weights)")
+    fp16: bool = option(False, "fp16 mixed precision with loss scaling")
+    loss_scale: float | None = option(None, "static fp16 loss scale (default: dynamic)")
+    initial_loss_scale: float = option(2.0**32, "first dynamic loss scale")
+    min_loss_scale: float = option(1.0, "smallest dynamic loss scale")
+    loss_scale_window: int = option(1000, "iterations without overflow before the scale doubles")
+    hysteresis: int = option(2, "overflows tolerated before the scale halves")
+    recompute_granularity: str | None = option(None, "activation recomputation", ("full", "selective"))
+    recompute_method: str | None = option(None, "which layers --recompute-granularity full recomputes", ("uniform", "block"))
+    recompute_num_layers: int | None = option(None, "layers per recompute chunk (uniform) or recomputed layers (block)")
+    attention_backend: str = option("auto", "SDPA kernel preference", ("auto", "flash", "cudnn", "efficient", "math"))
+    compile: bool | None = option(None, "torch.compile each block (default: on for CUDA, off on CPU)")
+    device: str = option("auto", "where to train", ("auto", "cpu", "cuda"))
+    log_interval: int = option(10, "iterations between log lines")
+    log_json: str | None = option(None, "append one JSON object per logged iteration to this file")
+    tensorboard_dir: str | None = option(None, "write TensorBoard scalars here")
+    eval_interval: int | None = option(None, "iterations between evaluations (default: never)")
+    eval_iters: int = option(10, "batches per evaluation")
+    exit_interval: int | None = option(None, "stop after the iteration divisible by this")
+    peak_tflops: float | None = option(None, "GPU peak TFLOP/s for MFU (default: detected from the device name)")
+
+    def __post_init__(self) -> None:
+        _require(self.train_iters is not None, "--train-iters is required")
+        _positive(self, "micro_batch_size", "global_batch_size", "train_iters", "log_interval",
+                  "eval_interval", "eval_iters", "exit_interval", "loss_scale_window", "hysteresis",
+                  "peak_tflops", "loss_scale", "initial_loss_scale", "min_loss_scale")
+        _require(not (self.bf16 and self.fp16), "--bf16 and --fp16 are exclusive")
+        if self.recompute_granularity == "full":
+            _require(self.recompute_method is not None, "--recompute-granularity full needs --recompute-method")
+            _require(self.recompute_num_layers is not None and self.recompute_num_layers > 0,
+                     "--recompute-granularity full needs a positive --recompute-num-layers")
+        else:
+            _require(self.recompute_method is None,
+                     "--recompute-method needs --recompute-granularity full")
+
+    @property
+    def dtype_name(self) -> str:
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
+
+
+SECTIONS = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "train": TrainConfig,
+}
+
+
+@dataclass
+class RunConfig:
+    """Everything a training run needs; cross-section checks happen here."""
+
+    model: ModelConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(train_iters=1))
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        model, parallel, train = self.model, self.parallel, self.train
+        dp = parallel.data_parallel_size(self.world_size)
+        per_step = train.micro_batch_size * dp
+        if train.global_batch_size is None:
+            train.global_batch_size = per_step
+        _require(
+            train.global_batch_size % per_step == 0,
+            f"--global-batch-size ({train.global_batch_size}) must be divisible by --micro-batch-size "
+            f"({train.micro_batch_size}) x data-parallel size ({dp}) = {per_step}",
+        )
+        tp = parallel.tensor_model_parallel_size
+        _require(parallel.sequence_parallel is False or tp > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1")
+        _require(
+            model.num_attention_heads % tp == 0,
+            f"--num-attention-heads ({model.num_attention_heads}) must be divisible by "
+            f"--tensor-model-parallel-size ({tp})",
+        )
+        if train.recompute_granularity == "full" and train.recompute_method == "uniform":
+            _require(
+                model.num_layers % train.recompute_num_layers == 0,
+                f"--recompute-num-layers ({train.recompute_num_layers}) must divide --num-layers "
+                f"({model.num_layers}) with --recompute-method uniform",
+            )
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.parallel.data_parallel_size(self.world_size)
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.data_parallel_size)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)

@@ -1,0 +1,1 @@
+"""Data: tokenizers, Megatron .bin/.idx datasets, GPT samples, blending and loading."""

@@ -1,0 +1,1 @@
+"""Decoder-only transformer models and their named presets."""

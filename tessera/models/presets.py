@@ -1,0 +1,66 @@
+"""Named architectures for `--model PRESET`; command-line flags override any value.
+
+Values are ModelConfig fields (Megatron-LM flag names) from each family's published
+configuration. `seq_length` is a sensible training length, not the longest supported.
+"""
+
+from __future__ import annotations
+
+from tessera.config import ConfigError
+
+_GPT = dict(position_embedding_type="learned_absolute", normalization="LayerNorm", vocab_size=50257)
+_LLAMA = dict(
+    position_embedding_type="rope", normalization="RMSNorm", swiglu=True, disable_bias_linear=True,
+    untie_embeddings_and_output_weights=True, hidden_dropout=0.0, attention_dropout=0.0,
+)
+_QWEN = dict(_LLAMA, add_qkv_bias=True, norm_epsilon=1e-6, rotary_base=1_000_000.0)
+
+
+def _gpt(layers: int, hidden: int, heads: int, seq: int) -> dict:
+    return dict(_GPT, num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                seq_length=seq, max_position_embeddings=seq)
+
+
+def _llama(layers: int, hidden: int, heads: int, groups: int, ffn: int, vocab: int, seq: int, **extra) -> dict:
+    gqa = dict(group_query_attention=True, num_query_groups=groups) if groups != heads else {}
+    return dict(_LLAMA, num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                ffn_hidden_size=ffn, vocab_size=vocab, seq_length=seq, **gqa, **extra)
+
+
+PRESETS: dict[str, dict] = {
+    # GPT-2 (Radford et al. 2019)
+    "gpt2-small": _gpt(12, 768, 12, 1024),
+    "gpt2-medium": _gpt(24, 1024, 16, 1024),
+    "gpt2-large": _gpt(36, 1280, 20, 1024),
+    "gpt2-xl": _gpt(48, 1600, 25, 1024),
+    # GPT-3 (Brown et al. 2020, table 2.1; 13B uses Megatron's 5120 width)
+    "gpt3-1.3b": _gpt(24, 2048, 16, 2048),
+    "gpt3-2.7b": _gpt(32, 2560, 32, 2048),
+    "gpt3-6.7b": _gpt(32, 4096, 32, 2048),
+    "gpt3-13b": _gpt(40, 5120, 40, 2048),
+    "gpt3-175b": _gpt(96, 12288, 96, 2048),
+    # LLaMA family
+    "llama2-7b": _llama(32, 4096, 32, 32, 11008, 32000, 4096),
+    "llama3-8b": _llama(32, 4096, 32, 8, 14336, 128256, 8192, rotary_base=500_000.0),
+    "llama3-70b": _llama(80, 8192, 64, 8, 28672, 128256, 8192, rotary_base=500_000.0),
+    "llama3-405b": _llama(126, 16384, 128, 8, 53248, 128256, 8192, rotary_base=500_000.0),
+    # The LLaMA-style 1.2B benchmark shape (config B of shared/anchors/NOTES.md)
+    "llama-1.2b": _llama(24, 2048, 16, 4, 5632, 32000, 2048, rotary_base=500_000.0),
+    # Qwen2.5 (QKV bias, RoPE theta 1e6; the 0.5B ties its embeddings)
+    "qwen2.5-0.5b": dict(_llama(24, 896, 14, 2, 4864, 151936, 4096, **_QWEN),
+                         untie_embeddings_and_output_weights=False),
+    "qwen2.5-7b": _llama(28, 3584, 28, 4, 18944, 152064, 4096, **_QWEN),
+    "qwen2.5-72b": _llama(80, 8192, 64, 8, 29568, 152064, 4096, **_QWEN),
+    # Mistral 7B v0.3 (no sliding window)
+    "mistral-7b": _llama(32, 4096, 32, 8, 14336, 32768, 4096, rotary_base=1_000_000.0),
+    # Tiny shapes for tests and CPU demos
+    "tiny-gpt": dict(_gpt(2, 64, 4, 64), vocab_size=256, make_vocab_size_divisible_by=8),
+    "tiny-llama": dict(_llama(2, 64, 4, 2, 176, 256, 64), make_vocab_size_divisible_by=8),
+}
+
+
+def preset_values(name: str) -> dict:
+    """The ModelConfig fields of a preset; an unknown name lists the known ones."""
+    if name not in PRESETS:
+        raise ConfigError(f"--model {name}: unknown preset; choose one of {', '.join(PRESETS)}")
+    return dict(PRESETS[name])

@@ -1,0 +1,1 @@
+"""Performance accounting: FLOPs, GPU peaks, memory and step-time models."""

@@ -1,0 +1,1 @@
+"""The training loop and what it composes: optimizer, schedules, precision, metrics."""
