@@ -1,0 +1,69 @@
+"""`tessera flops`: parameters, FLOPs per token and iteration, and the MFU a speed means."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from tessera.cli.args import build_parser, fail, resolve
+from tessera.config import ConfigError, ModelConfig
+from tessera.perf.flops import count_parameters, flops_per_iteration, flops_per_token
+from tessera.perf.hardware import GPUS, lookup_gpu
+
+PROG = "tessera flops"
+
+
+def _extra(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("throughput (optional: give one speed to get TFLOP/s/GPU and MFU)")
+    group.add_argument("--global-batch-size", type=int, default=1, help="sequences per iteration")
+    group.add_argument("--tokens-per-sec", type=float, help="measured tokens/s over all GPUs")
+    group.add_argument("--iter-time", type=float, help="measured seconds per iteration")
+    group.add_argument("--num-gpus", type=int, default=1, help="GPUs that produced that speed")
+    group.add_argument("--gpu", default="h100", choices=sorted(GPUS), help="GPU for the peak")
+    group.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp8", "tf32", "fp32"))
+    group.add_argument("--peak-tflops", type=float, help="override the GPU's dense peak TFLOP/s")
+    group.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def report(model: ModelConfig, args: argparse.Namespace) -> dict:
+    params = count_parameters(model)
+    per_iteration = flops_per_iteration(model, args.global_batch_size)
+    result = {
+        "parameters": params.total, "embedding_parameters": params.embedding,
+        "non_embedding_parameters": params.non_embedding, "padded_vocab_size": model.padded_vocab_size(),
+        "seq_length": model.seq_length, "global_batch_size": args.global_batch_size,
+        "flops_per_token": flops_per_token(model), "flops_per_iteration": per_iteration,
+    }
+    tokens_per_iteration = args.global_batch_size * model.seq_length
+    if args.tokens_per_sec or args.iter_time:
+        iter_time = args.iter_time or tokens_per_iteration / args.tokens_per_sec
+        tflops = per_iteration / iter_time / args.num_gpus / 1e12
+        peak = args.peak_tflops or lookup_gpu(args.gpu).peak_tflops.get(args.dtype)
+        result.update(iter_time_s=iter_time, tokens_per_sec=tokens_per_iteration / iter_time,
+                      tflops_per_gpu=tflops, peak_tflops=peak, mfu=tflops / peak if peak else None)
+    return result
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser(PROG, ["model"], "Count parameters and model FLOPs (Megatron-LM's formula).", _extra)
+    args = parser.parse_args(argv)
+    if args.tokens_per_sec and args.iter_time:
+        fail(PROG, "give --tokens-per-sec or --iter-time, not both")
+    try:
+        model = ModelConfig(**resolve(args, ["model"])["model"])
+        result = report(model, args)
+    except (ConfigError, ValueError) as exc:
+        fail(PROG, str(exc))
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"parameters:         {result['parameters'] / 1e9:10.3f} B  "
+          f"(embedding {result['embedding_parameters'] / 1e9:.3f} B, "
+          f"non-embedding {result['non_embedding_parameters'] / 1e9:.3f} B; vocab padded to {result['padded_vocab_size']})")
+    print(f"FLOPs per token:    {result['flops_per_token'] / 1e9:10.3f} GFLOP  (forward + backward, seq {model.seq_length})")
+    print(f"FLOPs per iteration:{result['flops_per_iteration'] / 1e12:10.3f} TFLOP  (global batch {args.global_batch_size})")
+    if "tflops_per_gpu" in result:
+        mfu = f"{result['mfu'] * 100:.1f}%" if result["mfu"] is not None else "n/a"
+        print(f"at {result['tokens_per_sec']:,.0f} tokens/s on {args.num_gpus} GPU(s): "
+              f"{result['tflops_per_gpu']:.1f} TFLOP/s/GPU, MFU {mfu} of {result['peak_tflops']} ({args.gpu} {args.dtype})")
+    return 0

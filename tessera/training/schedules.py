@@ -1,0 +1,55 @@
+"""Learning-rate schedules with linear warmup (Megatron-LM's OptimizerParamScheduler semantics).
+
+`learning_rate(step)` is a pure function of the number of optimizer steps already taken,
+so a resumed run recomputes the same value without saved scheduler state.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tessera.config import OptimConfig
+
+
+class LRSchedule:
+    def __init__(self, optim: OptimConfig, train_iters: int):
+        self.max_lr, self.min_lr, self.init_lr = optim.lr, optim.min_lr, optim.lr_warmup_init
+        self.style = optim.lr_decay_style
+        self.decay_iters = optim.lr_decay_iters or train_iters
+        if optim.lr_warmup_fraction is not None:
+            self.warmup_iters = int(optim.lr_warmup_fraction * self.decay_iters)
+        else:
+            self.warmup_iters = optim.lr_warmup_iters
+        self.wsd_style, self.wsd_iters = optim.lr_wsd_decay_style, optim.lr_wsd_decay_iters
+
+    def __call__(self, step: int) -> float:
+        if self.warmup_iters > 0 and step <= self.warmup_iters:
+            return self.init_lr + (self.max_lr - self.init_lr) * step / self.warmup_iters
+        if self.style == "constant":
+            return self.max_lr
+        if self.style == "inverse-square-root":
+            warmup, step = max(self.warmup_iters, 1), max(step, 1)
+            return max(self.min_lr, self.max_lr * math.sqrt(warmup) / math.sqrt(step))
+        if step > self.decay_iters:
+            return self.min_lr
+        ratio = (step - self.warmup_iters) / max(self.decay_iters - self.warmup_iters, 1)
+        if self.style == "linear":
+            coeff = 1.0 - ratio
+        elif self.style == "cosine":
+            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        else:  # WSD: warmup, stable at max_lr, then decay over the last wsd_iters iterations
+            anneal_start = self.decay_iters - self.wsd_iters
+            if step <= anneal_start:
+                coeff = 1.0
+            else:
+                coeff = self._wsd_coeff((step - anneal_start) / self.wsd_iters)
+        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+    def _wsd_coeff(self, ratio: float) -> float:
+        if self.wsd_style == "linear":
+            return 1.0 - ratio
+        if self.wsd_style == "cosine":
+            return 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        if self.wsd_style == "minus_sqrt":
+            return 1.0 - math.sqrt(ratio)
+        return 2.0 * 0.5**ratio - 1.0  # exponential: 1 at the start of decay, 0 at its end
