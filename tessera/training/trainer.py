@@ -25,7 +25,7 @@ from tessera.data.mock import MockGPTDataset
 from tessera.models.gpt import GPTModel, Recompute, initialize_parameters
 from tessera.perf.flops import count_parameters, flops_per_iteration
 from tessera.training.metrics import IterationStats, MetricsWriter, peak_memory_gb, resolve_peak_tflops
-from tessera.training.optimizer import build_optimizer, set_learning_rate, unscale_and_clip
+from tessera.training.optimizer import build_optimizer, fused_step, grad_norm, set_learning_rate
 from tessera.training.precision import LossScaler, autocast, autocast_dtype
 from tessera.training.schedules import LRSchedule
 
@@ -34,9 +34,16 @@ Batch = dict[str, torch.Tensor]
 
 @dataclass
 class StepResult:
-    loss: float
-    grad_norm: float
-    skipped: bool
+    """One iteration's outcome. Fields are 0-d device tensors until `resolve()`, so that a
+    step never waits for the GPU; the log reads them once per --log-interval."""
+
+    loss: torch.Tensor | float
+    grad_norm: torch.Tensor | float
+    skipped: torch.Tensor | bool
+
+    def resolve(self) -> "StepResult":
+        loss, norm, skipped = torch.stack([self.loss, self.grad_norm, self.skipped.float()]).tolist()
+        return StepResult(loss, norm, bool(skipped))
 
 
 def resolve_device(name: str) -> torch.device:
@@ -118,20 +125,15 @@ class Trainer:
             loss = self._forward(batch)
             (loss * (scale / num_tokens)).backward()
             loss_sum += loss.detach()
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = unscale_and_clip(params, 1.0 / scale, self.config.optim.clip_grad)
-        overflow = not math.isfinite(grad_norm)
-        self.loss_scaler.update(overflow)
-        if overflow:
-            self.skipped_iterations += 1
-            self.nan_iterations += 0 if self.config.train.fp16 else 1
-        else:
-            set_learning_rate(self.optimizer, self.lr_schedule(self.iteration))
-            self.optimizer.step()
+        norm = grad_norm(list(self.model.parameters()))
+        if self.loss_scaler.dynamic:  # the scale of the next iteration depends on this one
+            self.loss_scaler.update(not torch.isfinite(norm).item())
+        set_learning_rate(self.optimizer, self.lr_schedule(self.iteration))
+        norm = fused_step(self.optimizer, norm, scale, self.config.optim.clip_grad)
         self.optimizer.zero_grad(set_to_none=True)
         self.iteration += 1
         self.consumed_samples += self.config.train.global_batch_size
-        return StepResult((loss_sum / num_tokens).item(), grad_norm, overflow)
+        return StepResult(loss_sum / num_tokens, norm, self.optimizer.found_inf > 0)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -146,23 +148,22 @@ class Trainer:
     # -- the loop ----------------------------------------------------------------------
 
     def train(self) -> list[StepResult]:
+        """Run to --train-iters (or --exit-interval); returns every iteration's resolved result."""
         train = self.config.train
         self._log_start()
         history: list[StepResult] = []
-        interval_losses: list[float] = []
+        pending: list[StepResult] = []
         interval_start = time.perf_counter()
         with self._attention:
             while self.iteration < train.train_iters:
-                result = self.train_step()
-                history.append(result)
-                if not result.skipped:
-                    interval_losses.append(result.loss)
+                pending.append(self.train_step())
                 if self.iteration % train.log_interval == 0 or self.iteration == train.train_iters:
                     self._synchronize()
-                    now = time.perf_counter()
-                    iterations = self.iteration % train.log_interval or train.log_interval
-                    self._log(result, interval_losses, (now - interval_start) / iterations)
-                    interval_losses, interval_start = [], time.perf_counter()
+                    seconds = (time.perf_counter() - interval_start) / len(pending)
+                    results = [r.resolve() for r in pending]
+                    self._log(results, seconds)
+                    history += results
+                    pending, interval_start = [], time.perf_counter()
                 if train.eval_interval and (self.iteration % train.eval_interval == 0
                                             or self.iteration == train.train_iters):
                     self.metrics.log_eval(self.iteration, self.evaluate())
@@ -170,15 +171,22 @@ class Trainer:
                 if train.exit_interval and self.iteration % train.exit_interval == 0:
                     self.metrics.info(f"exiting at iteration {self.iteration} (--exit-interval)")
                     break
+        history += [r.resolve() for r in pending]
         self.metrics.close()
         return history
 
-    def _log(self, last: StepResult, losses: list[float], seconds_per_iteration: float) -> None:
+    def _log(self, results: list[StepResult], seconds_per_iteration: float) -> None:
+        for result in results:
+            if result.skipped:
+                self.skipped_iterations += 1
+                if not math.isfinite(result.grad_norm) and not self.config.train.fp16:
+                    self.nan_iterations += 1
+        losses = [r.loss for r in results if not r.skipped]
         self.metrics.log_iteration(IterationStats(
             iteration=self.iteration, train_iters=self.config.train.train_iters,
             consumed_samples=self.consumed_samples, seconds_per_iteration=seconds_per_iteration,
             loss=sum(losses) / len(losses) if losses else float("nan"),
-            lr=self.optimizer.param_groups[0]["lr"], grad_norm=last.grad_norm,
+            lr=self.optimizer.param_groups[0]["lr"], grad_norm=results[-1].grad_norm,
             loss_scale=self.loss_scaler.scale, skipped_iterations=self.skipped_iterations,
             nan_iterations=self.nan_iterations, mem_gb=peak_memory_gb(self.device),
         ))
