@@ -1,0 +1,79 @@
+"""The commands as a user runs them: `python -m tessera train/flops`, in a subprocess."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+KEYS = {"iteration", "consumed_samples", "loss", "lr", "grad_norm", "loss_scale", "skipped_iterations",
+        "tokens_per_sec", "tflops_per_gpu", "mfu", "mem_gb"}
+
+
+def tessera(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tessera", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_train_mock_data_prints_metric_lines_and_writes_json(tmp_path):
+    log = tmp_path / "train.jsonl"
+    result = tessera("train", "--model", "tiny-gpt", "--mock-data", "--train-iters", "6", "--lr", "1e-3",
+                     "--micro-batch-size", "2", "--log-interval", "2", "--log-json", str(log),
+                     "--eval-interval", "6", "--eval-iters", "1")
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if "iteration " in line and "lm loss:" in line]
+    assert len(lines) == 3
+    for field in ("consumed samples", "elapsed time per iteration (ms)", "TFLOP/s/GPU", "MFU: n/a", "tokens/s",
+                  "learning rate", "grad norm", "loss scale", "number of skipped iterations", "mem:"):
+        assert field in lines[0]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert all(KEYS <= set(r) for r in records if "loss" in r)
+    assert any("eval_loss" in r and "eval_ppl" in r for r in records)
+    assert records[0]["mfu"] is None  # CPU: no peak, unless --peak-tflops
+
+
+def test_peak_tflops_override_gives_mfu(tmp_path):
+    log = tmp_path / "train.jsonl"
+    result = tessera("train", "--model", "tiny-gpt", "--mock-data", "--train-iters", "2", "--lr", "1e-3",
+                     "--log-interval", "1", "--log-json", str(log), "--peak-tflops", "0.001")
+    assert result.returncode == 0, result.stderr
+    record = json.loads(log.read_text().splitlines()[-1])
+    assert record["mfu"] == pytest.approx(record["tflops_per_gpu"] / 0.001)
+
+
+def test_tensorboard_scalars(tmp_path):
+    pytest.importorskip("tensorboard")
+    result = tessera("train", "--model", "tiny-gpt", "--mock-data", "--train-iters", "2", "--lr", "1e-3",
+                     "--log-interval", "1", "--tensorboard-dir", str(tmp_path / "tb"))
+    assert result.returncode == 0, result.stderr
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+
+
+def test_unknown_flag_is_one_line():
+    result = tessera("train", "--model", "tiny-gpt", "--lr", "1", "--train-iters", "1", "--mock-dat")
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("tessera train: error: unrecognized arguments: "
+                                     "--mock-dat (did you mean --mock-data?)")
+
+
+def test_help_groups_flags():
+    result = tessera("train", "--help")
+    assert result.returncode == 0
+    for heading in ("model (", "parallel (", "optim (", "train (", "data ("):
+        assert heading in result.stdout
+    assert "--num-layers" in result.stdout and "--lr-decay-style" in result.stdout
+
+
+def test_flops_json_and_mfu():
+    result = tessera("flops", "--model", "gpt3-1.3b", "--global-batch-size", "8", "--iter-time", "0.2746",
+                     "--gpu", "h200", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["parameters"] == 1_315_819_520     # config A of shared/anchors/NOTES.md
+    tflops = 8 * 2048 * report["flops_per_token"] / 0.2746 / 1e12
+    assert report["tflops_per_gpu"] == pytest.approx(tflops)
+    assert report["mfu"] == pytest.approx(tflops / 989.0)
+
+
+def test_unknown_command():
+    result = tessera("trian")
+    assert result.returncode == 2 and "unknown command 'trian'" in result.stderr
