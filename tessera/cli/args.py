@@ -69,13 +69,12 @@ def _add_section(parser: argparse.ArgumentParser, section: str, cls: type) -> No
                 kwargs["metavar"] = "{" + ",".join(map(str, field.metadata["choices"])) + "}"
             if is_list:
                 kwargs["nargs"] = "+"
-        parser.add_argument(flag(field.name), **kwargs)
+        group.add_argument(flag(field.name), **kwargs)
 
 
 def build_parser(prog: str, sections: Iterable[str], description: str = "",
                  add_extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.ArgumentParser:
-    parser = _Parser(prog=prog, description=description, allow_abbrev=False,
-                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = _Parser(prog=prog, description=description, allow_abbrev=False)
     parser.add_argument("--config", metavar="YAML", help="YAML file of settings (keys are flag names)")
     parser.add_argument("--model", metavar="PRESET", help="named architecture (see tessera.models.presets)")
     if add_extra is not None:
