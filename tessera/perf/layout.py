@@ -1,0 +1,108 @@
+"""A parallel layout as the planner sees it, and the rules that make it runnable.
+
+The fields are the settings of `tessera train` (Megatron-LM flag names in the messages);
+`check_layout` rejects what Megatron would reject, naming the flag, so the search and
+`--explain` share one definition of "feasible".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tessera.config import ConfigError, ModelConfig
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1                       # --tensor-model-parallel-size
+    pp: int = 1                       # --pipeline-model-parallel-size
+    dp: int = 1                       # what remains of the GPUs
+    cp: int = 1                       # --context-parallel-size
+    ep: int = 1                       # --expert-model-parallel-size
+    virtual_stages: int = 1           # model chunks per pipeline rank (interleaved 1F1B)
+    micro_batch_size: int = 1         # --micro-batch-size
+    sequence_parallel: bool = False   # --sequence-parallel
+    distributed_optimizer: bool = False  # --use-distributed-optimizer (ZeRO-1)
+    fsdp: bool = False                # --use-torch-fsdp2 (ZeRO-3)
+    recompute: str = "none"           # --recompute-granularity (none, selective, full)
+    overlap_grad_reduce: bool = True  # --overlap-grad-reduce
+    overlap_param_gather: bool = True  # --overlap-param-gather
+    tp_comm_overlap: bool = False     # --tp-comm-overlap
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    def num_micro_batches(self, global_batch_size: int) -> int:
+        return global_batch_size // (self.micro_batch_size * self.dp)
+
+    def describe(self) -> str:
+        parts = [f"TP{self.tp}", f"PP{self.pp}"]
+        if self.virtual_stages > 1:
+            parts.append(f"VP{self.virtual_stages}")
+        if self.cp > 1:
+            parts.append(f"CP{self.cp}")
+        parts += [f"DP{self.dp}", f"mbs{self.micro_batch_size}"]
+        if self.sequence_parallel:
+            parts.append("SP")
+        if self.fsdp:
+            parts.append("FSDP")
+        elif self.distributed_optimizer:
+            parts.append("distopt")
+        if self.recompute != "none":
+            parts.append(f"recompute-{self.recompute}")
+        return " ".join(parts)
+
+    def flags(self, num_layers: int) -> list[str]:
+        """The `tessera train` flags of this layout."""
+        flags = ["--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp),
+                 "--context-parallel-size", str(self.cp), "--micro-batch-size", str(self.micro_batch_size)]
+        if self.virtual_stages > 1:
+            flags += ["--num-layers-per-virtual-pipeline-stage", str(num_layers // (self.pp * self.virtual_stages))]
+        if self.sequence_parallel:
+            flags.append("--sequence-parallel")
+        if self.fsdp:
+            flags.append("--use-torch-fsdp2")
+        elif self.distributed_optimizer:
+            flags.append("--use-distributed-optimizer")
+        if self.recompute != "none":
+            flags += ["--recompute-granularity", self.recompute]
+        return flags
+
+
+def check_layout(model: ModelConfig, layout: Layout, global_batch_size: int, seq_length: int) -> None:
+    """Raise ConfigError, naming the flag, if Megatron could not run this layout."""
+    def require(condition: bool, message: str) -> None:
+        if not condition:
+            raise ConfigError(message)
+
+    tp, pp, cp, vp = layout.tp, layout.pp, layout.cp, layout.virtual_stages
+    require(min(tp, pp, cp, layout.dp, vp, layout.micro_batch_size) >= 1, "parallel sizes must be positive")
+    require(layout.ep == 1, "--expert-model-parallel-size > 1 needs a mixture-of-experts model, "
+                            "which the model config cannot describe yet")
+    require(model.num_attention_heads % tp == 0,
+            f"--num-attention-heads ({model.num_attention_heads}) must be divisible by "
+            f"--tensor-model-parallel-size ({tp})")
+    require(model.num_query_groups % tp == 0,
+            f"--num-query-groups ({model.num_query_groups}) must be divisible by --tensor-model-parallel-size ({tp})")
+    require(model.num_layers % (pp * vp) == 0,
+            f"--num-layers ({model.num_layers}) must be divisible by --pipeline-model-parallel-size ({pp})"
+            + (f" x virtual stages ({vp})" if vp > 1 else ""))
+    require(vp == 1 or pp > 1, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+    require(not layout.sequence_parallel or tp > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1")
+    require(seq_length % (2 * cp) == 0 if cp > 1 else True,
+            f"--seq-length ({seq_length}) must be divisible by 2 x --context-parallel-size ({cp})")
+    require(not (layout.fsdp and layout.distributed_optimizer),
+            "--use-torch-fsdp2 and --use-distributed-optimizer are exclusive")
+    require(layout.recompute in RECOMPUTE, f"--recompute-granularity must be one of {', '.join(RECOMPUTE[1:])}")
+    per_step = layout.micro_batch_size * layout.dp
+    require(global_batch_size % per_step == 0,
+            f"--global-batch-size ({global_batch_size}) must be divisible by --micro-batch-size "
+            f"({layout.micro_batch_size}) x data-parallel size ({layout.dp}) = {per_step}")
+    if vp > 1:
+        micro_batches = layout.num_micro_batches(global_batch_size)
+        require(micro_batches % pp == 0,
+                f"the interleaved schedule needs the number of micro-batches ({micro_batches}) to be a "
+                f"multiple of --pipeline-model-parallel-size ({pp})")
