@@ -1,0 +1,116 @@
+"""The device mesh: which ranks share which process groups.
+
+Ranks are laid out in Megatron-LM's order, tensor-parallel fastest, then context, data,
+pipeline:
+
+    rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
+
+so that a tensor-parallel group (the chattiest) sits on neighbouring GPUs of one node.
+Expert parallelism re-slices each pipeline stage's dp x cp x tp ranks as
+(expert-dp, ep, expert-tp) with expert-tp = tp, as Megatron does by default.
+
+A Mesh holds torch DeviceMeshes and their groups and is passed to whatever needs them:
+nothing here is global, so tests can build several meshes in one process. With one
+process every size is 1 and every group is None, and the layers run unsplit.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from tessera.config import ConfigError, ParallelConfig
+
+
+@dataclass(frozen=True)
+class Mesh:
+    tp_size: int = 1
+    cp_size: int = 1
+    dp_size: int = 1
+    pp_size: int = 1
+    ep_size: int = 1
+    rank: int = 0
+    device_mesh: DeviceMesh | None = None          # dims ("pp", "dp", "cp", "tp")
+    expert_mesh: DeviceMesh | None = None          # dims ("pp", "edp", "ep", "etp")
+    groups: dict = field(default_factory=dict)     # dim name -> group, for dims of size > 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.cp_size * self.dp_size * self.pp_size
+
+    # Coordinates of this rank.
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def cp_rank(self) -> int:
+        return self.rank // self.tp_size % self.cp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // (self.tp_size * self.cp_size) % self.dp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // (self.tp_size * self.cp_size * self.dp_size)
+
+    # Process groups; None where the dimension has one rank.
+    def group(self, dim: str):
+        """The process group of 'tp', 'cp', 'dp', 'pp', 'dp_cp' (gradient averaging) or 'ep'."""
+        return self.groups.get(dim)
+
+    @property
+    def tp_group(self):
+        return self.group("tp")
+
+    @property
+    def dp_group(self):
+        return self.group("dp")
+
+    def submesh(self, *dims: str) -> DeviceMesh | None:
+        """A DeviceMesh over some dimensions (FSDP2 shards over mesh.submesh('dp'))."""
+        return None if self.device_mesh is None else self.device_mesh[dims if len(dims) > 1 else dims[0]]
+
+    @classmethod
+    def build(cls, parallel: ParallelConfig, device_type: str) -> "Mesh":
+        """The mesh of the current process group (torch.distributed must be initialised)."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        tp, cp, pp, ep = (parallel.tensor_model_parallel_size, parallel.context_parallel_size,
+                          parallel.pipeline_model_parallel_size, parallel.expert_model_parallel_size)
+        dp = parallel.data_parallel_size(world)  # checks divisibility, naming the flags
+        if (dp * cp) % ep:
+            raise ConfigError(f"--expert-model-parallel-size ({ep}) must divide data-parallel size ({dp}) x "
+                              f"--context-parallel-size ({cp})")
+        if world == 1:
+            return cls()
+        device_mesh = init_device_mesh(device_type, (pp, dp, cp, tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
+        expert_mesh = init_device_mesh(device_type, (pp, dp * cp // ep, ep, tp),
+                                       mesh_dim_names=("pp", "edp", "ep", "etp"))
+        # Every rank creates every group, in the same order, now: creating a group is collective.
+        groups = {dim: device_mesh.get_group(dim) for dim, size in
+                  (("tp", tp), ("cp", cp), ("dp", dp), ("pp", pp)) if size > 1}
+        if dp * cp > 1:
+            groups["dp_cp"] = device_mesh["dp", "cp"]._flatten("dp_cp").get_group()
+        if ep > 1:
+            groups["ep"] = expert_mesh.get_group("ep")
+        return cls(tp, cp, dp, pp, ep, dist.get_rank(), device_mesh, expert_mesh, groups)
+
+
+def init_distributed(device: torch.device) -> torch.device:
+    """Join the process group that torchrun describes (if any) and pick this rank's device.
+
+    NCCL on CUDA, gloo on CPU. Returns the device this process should use.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 or dist.is_initialized():
+        return device
+    if device.type == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+    return device
