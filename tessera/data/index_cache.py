@@ -1,0 +1,64 @@
+"""On-disk cache of the sample indices, keyed by a hash of everything that determines them.
+
+Building a GPT or blend index walks the whole dataset; reading it back is a memory-map.
+The key is the MD5 of the JSON description (Megatron's scheme), so a change to any input
+-- dataset files, split, sample count, sequence length, seed -- gives a new entry
+instead of stale indices. Files are written under temporary names and renamed, the
+description last, so that ranks building the same entry at the same time, or a crash
+mid-write, never leave a half-written entry that looks complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+
+def default_cache_dir(prefix: str) -> str:
+    """Megatron's default: a directory named like the dataset prefix, beside the dataset."""
+    return os.path.join(prefix, "cache", "GPTDataset_indices")
+
+
+def describe_files(prefix: str) -> dict:
+    """What identifies a dataset's content cheaply: its resolved path and file sizes."""
+    return {"path": os.path.realpath(prefix),
+            "bin_bytes": os.path.getsize(prefix + ".bin"), "idx_bytes": os.path.getsize(prefix + ".idx")}
+
+
+def cached_arrays(cache_dir: str | None, kind: str, description: dict, names: tuple[str, ...],
+                  build: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The arrays `names` for `description`: memory-mapped from the cache, else built and saved.
+
+    Without a cache directory, or when it cannot be written, they are built in memory.
+    """
+    text = json.dumps(description, indent=4, sort_keys=True)
+    key = hashlib.md5(text.encode("utf-8")).hexdigest()
+    if cache_dir is None:
+        return build()
+    stem = Path(cache_dir) / f"{key}-{kind}-{description.get('split', 'all')}"
+    paths = {name: Path(f"{stem}-{name}.npy") for name in names}
+    description_path = Path(f"{stem}-description.txt")
+    if description_path.is_file() and all(p.is_file() for p in paths.values()):
+        return {name: np.load(path, mmap_mode="r") for name, path in paths.items()}
+    arrays = build()
+    try:
+        Path(cache_dir).mkdir(parents=True, exist_ok=True)
+        for name, path in paths.items():
+            _write_atomic(path, lambda f, a=arrays[name]: np.save(f, a))
+        _write_atomic(description_path, lambda f: f.write(text.encode("utf-8")))
+    except OSError as exc:
+        warnings.warn(f"cannot write the index cache in {cache_dir} ({exc}); indices will be rebuilt next run")
+    return arrays
+
+
+def _write_atomic(path: Path, write: Callable) -> None:
+    temporary = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    with open(temporary, "wb") as f:
+        write(f)
+    os.replace(temporary, path)
