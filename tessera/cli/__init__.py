@@ -10,6 +10,7 @@ import sys
 COMMANDS = {
     "train": ("tessera.cli.train", "train a model (Megatron-LM flag names)"),
     "flops": ("tessera.cli.flops", "parameters, FLOPs per token/iteration and the MFU a speed means"),
+    "plan": ("tessera.cli.plan", "predict memory, step time and MFU at any scale; choose the parallel layout"),
     "preprocess": ("tessera.cli.preprocess", "tokenize JSONL into Megatron .bin/.idx datasets"),
     "train-tokenizer": ("tessera.cli.train_tokenizer", "train a BPE tokenizer.json on JSONL text, offline"),
     "merge-datasets": ("tessera.cli.merge_datasets", "concatenate .bin/.idx datasets into one"),

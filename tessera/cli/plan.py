@@ -1,0 +1,203 @@
+"""`tessera plan`: predicted memory, step time and MFU; the best layouts, or one layout explained.
+
+    tessera plan --model llama3-70b --gpus 64 --gpu h100 --global-batch-size 512 --seq-length 8192
+    tessera plan --model gpt3-175b --gpus 1024 --global-batch-size 1536 --explain \\
+        --tensor-model-parallel-size 4 --pipeline-model-parallel-size 8 --sequence-parallel \\
+        --num-layers-per-virtual-pipeline-stage 2 --use-distributed-optimizer
+    tessera plan --published --figures docs/figures     # Megatron's H100 scaling runs
+
+Layout flags are `tessera train`'s; any given (on the command line or in --config) is held
+fixed while the others are searched, with every overlap on as in a tuned run. --explain
+predicts exactly the layout given, with `tessera train`'s defaults for the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+from tessera.cli.args import build_parser, fail, resolve
+from tessera.config import SECTIONS, ConfigError, ModelConfig, flag
+from tessera.perf.cluster import CLUSTERS, lookup_cluster
+from tessera.perf.kernels import load_curves
+from tessera.perf.layout import Layout, check_layout
+from tessera.perf.memory import GIB, usable_bytes
+from tessera.perf.search import SearchSpace, search
+from tessera.perf.simulator import Prediction, predict
+
+PROG = "tessera plan"
+
+
+def _extra(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("planning")
+    group.add_argument("--gpus", type=int, help="GPUs in the job (default for --explain: one data-parallel replica)")
+    group.add_argument("--gpu", default="h100", help="GPU kind: h100, h200, a100 (picks the DGX cluster preset)")
+    group.add_argument("--cluster", choices=sorted(CLUSTERS), help="cluster preset (overrides --gpu)")
+    group.add_argument("--explain", action="store_true", help="predict the layout given by the flags, term by term")
+    group.add_argument("--top", type=int, default=5, help="layouts to list")
+    group.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    group.add_argument("--gemm-curve", metavar="JSON", help="kernel curves measured by bench/gemm.py")
+    group.add_argument("--non-causal-flops", action="store_true",
+                       help="count attention FLOPs without causal halving (Megatron before 2025)")
+    group.add_argument("--published", action="store_true",
+                       help="reproduce Megatron's published H100 weak/strong scaling and print the error tables")
+    group.add_argument("--figures", metavar="DIR", help="with --published: write the scaling figures (PNG) here")
+    # Layout flags of Megatron that tessera's config may not have yet; added here only
+    # while config.py lacks them, so the planner keeps working as they move there.
+    layout = parser.add_argument_group("layout flags not (yet) in tessera train")
+    for name, kwargs in _LAYOUT_FLAGS.items():
+        if name not in _CONFIG_FIELDS:
+            layout.add_argument(flag(name), dest=name, **kwargs)
+
+
+_CONFIG_FIELDS = {f.name for section in SECTIONS.values() for f in dataclasses.fields(section)}
+_LAYOUT_FLAGS = {
+    "num_layers_per_virtual_pipeline_stage": dict(type=int, help="interleaved 1F1B: layers per model chunk"),
+    "use_distributed_optimizer": dict(action="store_true", help="shard optimizer state over DP (ZeRO-1)"),
+    "use_torch_fsdp2": dict(action="store_true", help="shard weights, grads and optimizer state (ZeRO-3)"),
+    "tp_comm_overlap": dict(action="store_true", help="overlap TP collectives with GEMMs (TE userbuffers)"),
+    "overlap_grad_reduce": dict(action="store_true", help="reduce gradients during backward"),
+    "overlap_param_gather": dict(action="store_true", help="gather parameters during forward"),
+}
+
+
+def _setting(values: dict, args: argparse.Namespace, name: str, default=None):
+    """A layout setting from the config sections (preset < YAML < flags) or the planner's own flags."""
+    for section in values.values():
+        if name in section:
+            return section[name]
+    return getattr(args, name, None) or default
+
+
+def _fixed_layout(values: dict, args: argparse.Namespace, model: ModelConfig) -> tuple[Layout, int]:
+    """The layout the flags describe (with `tessera train`'s defaults), and the global batch size."""
+    tp = _setting(values, args, "tensor_model_parallel_size", 1)
+    pp = _setting(values, args, "pipeline_model_parallel_size", 1)
+    cp = _setting(values, args, "context_parallel_size", 1)
+    gpus = args.gpus or tp * pp * cp
+    if gpus % (tp * pp * cp):
+        raise ConfigError(f"--gpus ({gpus}) must be divisible by TP x PP x CP = {tp * pp * cp}")
+    dp = gpus // (tp * pp * cp)
+    virtual = _virtual_stages(values, args, model, pp) or 1
+    mbs = _setting(values, args, "micro_batch_size", 1)
+    layout = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=_setting(values, args, "expert_model_parallel_size", 1),
+                    virtual_stages=virtual, micro_batch_size=mbs,
+                    sequence_parallel=bool(_setting(values, args, "sequence_parallel")),
+                    distributed_optimizer=bool(_setting(values, args, "use_distributed_optimizer")),
+                    fsdp=bool(_setting(values, args, "use_torch_fsdp2")),
+                    recompute=_setting(values, args, "recompute_granularity", "none"),
+                    overlap_grad_reduce=bool(_setting(values, args, "overlap_grad_reduce")),
+                    overlap_param_gather=bool(_setting(values, args, "overlap_param_gather")),
+                    tp_comm_overlap=bool(_setting(values, args, "tp_comm_overlap")))
+    return layout, _setting(values, args, "global_batch_size", mbs * dp)
+
+
+def _virtual_stages(values: dict, args: argparse.Namespace, model: ModelConfig, pp: int) -> int | None:
+    per_chunk = _setting(values, args, "num_layers_per_virtual_pipeline_stage")
+    if not per_chunk:
+        return None
+    per_rank = model.num_layers // pp
+    if per_rank % per_chunk:
+        raise ConfigError(f"--num-layers-per-virtual-pipeline-stage ({per_chunk}) must divide the "
+                          f"{per_rank} layers of each pipeline stage")
+    return per_rank // per_chunk
+
+
+def _space(values: dict, args: argparse.Namespace, model: ModelConfig) -> SearchSpace:
+    """Hold fixed whatever layout flag was given."""
+    def given(name: str):
+        value = _setting(values, args, name)
+        return (value,) if value else None
+
+    pp = _setting(values, args, "pipeline_model_parallel_size")
+    virtual = _virtual_stages(values, args, model, pp) if pp else None
+    return SearchSpace(tp=given("tensor_model_parallel_size"), pp=given("pipeline_model_parallel_size"),
+                       cp=given("context_parallel_size"), virtual_stages=(virtual,) if virtual else None,
+                       micro_batch_size=given("micro_batch_size"), recompute=given("recompute_granularity"))
+
+
+def as_dict(prediction: Prediction, model: ModelConfig, capacity: float) -> dict:
+    layout = prediction.layout
+    return {
+        "layout": {**layout.__dict__, "flags": layout.flags(model.num_layers), "describe": layout.describe()},
+        "mfu": prediction.mfu, "tflops_per_gpu": prediction.tflops_per_gpu, "step_time_s": prediction.step_time,
+        "tokens_per_sec": prediction.tokens_per_sec, "memory_gb_per_gpu": prediction.memory.total / 1e9,
+        "memory_gib_per_gpu": prediction.memory.total / GIB, "fits": prediction.memory.total <= capacity,
+        "memory_gib": {k: v / GIB for k, v in prediction.memory.as_dict().items()},
+        "time_s": dict(prediction.breakdown),
+    }
+
+
+def _print_breakdown(prediction: Prediction, capacity: float) -> None:
+    memory, step = prediction.memory, prediction.step_time
+    fits = "fits" if memory.total <= capacity else "DOES NOT FIT"
+    print(f"\n{prediction.layout.describe()}: memory per GPU ({memory.stage} stage), "
+          f"{memory.total / GIB:.1f} GiB of {capacity / GIB:.1f} usable: {fits}")
+    for name, value in memory.as_dict().items():
+        print(f"  {name:<12} {value / GIB:8.2f} GiB")
+    print(f"time per iteration {step:.3f} s (slowest stage):")
+    for name, value in sorted(prediction.breakdown.items(), key=lambda item: -item[1]):
+        print(f"  {name:<12} {value:8.3f} s  {value / step * 100:5.1f}%")
+    print(f"  => {prediction.tflops_per_gpu:.0f} TFLOP/s/GPU, MFU {prediction.mfu * 100:.1f}%, "
+          f"{prediction.tokens_per_sec:,.0f} tokens/s")
+
+
+def _published(args: argparse.Namespace) -> int:
+    from tessera.perf.published import STRONG_SCALING, WEAK_SCALING, error_table, reproduce
+
+    curves = load_curves(args.gemm_curve, gpu_name="H100")
+    weak, strong = reproduce(WEAK_SCALING, curves), reproduce(STRONG_SCALING, curves)
+    print(f"kernel curves: {curves.source}\n\nWeak scaling (H100, seq 4096, DP 48)\n{error_table(weak)}")
+    print(f"\nStrong scaling (177B, batch 1152)\n{error_table(strong)}")
+    if args.figures:
+        from tessera.perf.figures import scaling_figure
+
+        for path in (scaling_figure(weak, "Weak scaling, Megatron-Core H100 runs: predicted / published MFU",
+                                    f"{args.figures}/weak_scaling.png", "model"),
+                     scaling_figure(strong, "Strong scaling, 177B GPT-3, batch 1152: predicted MFU",
+                                    f"{args.figures}/strong_scaling.png", "mfu")):
+            print(f"wrote {path}")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser(PROG, SECTIONS, "Predict memory, step time and MFU; choose the parallel layout.", _extra)
+    args = parser.parse_args(argv)
+    if args.published:
+        return _published(args)
+    try:
+        values = resolve(args, SECTIONS)
+        model = ModelConfig(**values["model"])
+        cluster = lookup_cluster(args.cluster, args.gpu)
+        curves = load_curves(args.gemm_curve, gpu_name=cluster.gpu.name)
+        capacity = usable_bytes(cluster.gpu.memory_gb)
+        causal = not args.non_causal_flops
+        if args.explain:
+            layout, batch = _fixed_layout(values, args, model)
+            check_layout(model, layout, batch, model.seq_length)
+            results = [predict(model, layout, cluster, curves, batch, model.seq_length, causal)]
+        else:
+            if not args.gpus:
+                raise ConfigError("--gpus is required to search (or give --explain with a layout)")
+            batch = _setting(values, args, "global_batch_size")
+            if not batch:
+                raise ConfigError("--global-batch-size is required to search")
+            results = search(model, args.gpus, cluster, curves, batch, model.seq_length,
+                             _space(values, args, model), causal, args.top)
+            if not results:
+                raise ConfigError(f"no layout fits {cluster.gpu.memory_gb} GiB per GPU, even with full recompute")
+    except (ConfigError, ValueError) as exc:
+        fail(PROG, str(exc))
+    if args.json:
+        print(json.dumps([as_dict(p, model, capacity) for p in results], indent=1))
+        return 0
+    print(f"{cluster.name}; kernel curves: {curves.source}")
+    print(f"{'layout':<38} {'MFU':>6} {'TFLOP/s':>8} {'step s':>8} {'tokens/s':>11} {'GiB/GPU':>8}")
+    for p in results:
+        print(f"{p.layout.describe():<38} {p.mfu * 100:5.1f}% {p.tflops_per_gpu:8.0f} {p.step_time:8.3f} "
+              f"{p.tokens_per_sec:11,.0f} {p.memory.total / GIB:8.1f}")
+    _print_breakdown(results[0], capacity)
+    if not args.explain:
+        print("\ntrain with: " + " ".join(results[0].layout.flags(model.num_layers)))
+    return 0

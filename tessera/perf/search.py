@@ -1,0 +1,87 @@
+"""Choose a layout: enumerate the runnable ones, keep those that fit, rank by predicted MFU.
+
+The candidates are the layouts a Megatron user would try: TP within a node (a power of
+two dividing the heads), PP dividing the layers, context parallel only for sequences of
+8k and more, interleaving only with pipelining, sequence parallelism and TP comm overlap
+whenever TP > 1, the distributed optimizer whenever DP > 1 (it is never slower and saves
+memory), recomputation only as a fallback when nothing fits without it. Anything a user
+fixes on the command line is held fixed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+
+from tessera.config import ConfigError, ModelConfig
+from tessera.perf.cluster import Cluster
+from tessera.perf.kernels import KernelCurves
+from tessera.perf.layout import Layout, check_layout
+from tessera.perf.memory import usable_bytes
+from tessera.perf.simulator import Prediction, predict
+
+MICRO_BATCH_SIZES = (1, 2, 4, 8)
+LONG_SEQUENCE = 8192
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Values to try per setting; a one-element tuple fixes a setting."""
+
+    tp: tuple[int, ...] | None = None
+    pp: tuple[int, ...] | None = None
+    cp: tuple[int, ...] | None = None
+    virtual_stages: tuple[int, ...] | None = None
+    micro_batch_size: tuple[int, ...] | None = None
+    recompute: tuple[str, ...] | None = None
+
+
+def candidates(model: ModelConfig, gpus: int, gpus_per_node: int, global_batch_size: int, seq_length: int,
+               space: SearchSpace = SearchSpace()) -> list[Layout]:
+    """Every layout in the search space that check_layout accepts."""
+    tps = space.tp or tuple(_powers_of_two(min(gpus_per_node, gpus)))
+    pps = space.pp or tuple(d for d in _divisors(model.num_layers) if d <= gpus)
+    cps = space.cp or (tuple(_powers_of_two(min(16, gpus))) if seq_length >= LONG_SEQUENCE else (1,))
+    micro_batches = space.micro_batch_size or MICRO_BATCH_SIZES
+    found = []
+    for tp, pp, cp, mbs in itertools.product(tps, pps, cps, micro_batches):
+        if gpus % (tp * pp * cp):
+            continue
+        dp = gpus // (tp * pp * cp)
+        virtual = (space.virtual_stages or tuple(_divisors(model.num_layers // pp))) if pp > 1 else (1,)
+        for vp in virtual:
+            layout = Layout(tp=tp, pp=pp, dp=dp, cp=cp, virtual_stages=vp, micro_batch_size=mbs,
+                            sequence_parallel=tp > 1, tp_comm_overlap=tp > 1,
+                            distributed_optimizer=dp * cp > 1)
+            try:
+                check_layout(model, layout, global_batch_size, seq_length)
+            except ConfigError:
+                continue
+            found.append(layout)
+    return found
+
+
+def search(model: ModelConfig, gpus: int, cluster: Cluster, curves: KernelCurves, global_batch_size: int,
+           seq_length: int, space: SearchSpace = SearchSpace(), causal_flops: bool = True,
+           top: int = 5) -> list[Prediction]:
+    """The `top` best layouts that fit in memory, best first; empty if none fits."""
+    layouts = candidates(model, gpus, cluster.gpus_per_node, global_batch_size, seq_length, space)
+    capacity = usable_bytes(cluster.gpu.memory_gb)
+    for recompute in space.recompute or ("none", "selective", "full"):
+        fitting = []
+        for layout in layouts:
+            prediction = predict(model, replace(layout, recompute=recompute), cluster, curves,
+                                 global_batch_size, seq_length, causal_flops)
+            if prediction.memory.total <= capacity:
+                fitting.append(prediction)
+        if fitting:
+            return sorted(fitting, key=lambda p: p.step_time)[:top]
+    return []

@@ -1,0 +1,70 @@
+"""Layout search: infeasible layouts rejected, textbook cases get the known-good family."""
+
+import pytest
+
+from tessera.config import ConfigError, ModelConfig
+from tessera.models.presets import preset_values
+from tessera.perf.cluster import CLUSTERS
+from tessera.perf.kernels import load_curves
+from tessera.perf.layout import Layout, check_layout
+from tessera.perf.memory import usable_bytes
+from tessera.perf.search import SearchSpace, candidates, search
+from tessera.perf.simulator import predict
+
+DGX = CLUSTERS["dgx-h100"]
+CURVES = load_curves(gpu_name="H100")
+
+
+def preset(name, seq):
+    return ModelConfig(**{**preset_values(name), "seq_length": seq})
+
+
+@pytest.mark.parametrize("layout, flag", [
+    (Layout(tp=3), "--num-attention-heads"),
+    (Layout(pp=7), "--num-layers"),
+    (Layout(sequence_parallel=True), "--sequence-parallel"),
+    (Layout(dp=3), "--global-batch-size"),
+    (Layout(pp=2, virtual_stages=2, dp=1), "interleaved"),
+    (Layout(ep=2), "--expert-model-parallel-size"),
+])
+def test_unrunnable_layouts_are_rejected_naming_the_flag(layout, flag):
+    model = preset("llama3-8b", 4096)   # 32 layers, 32 heads, 8 query groups
+    with pytest.raises(ConfigError, match=flag):
+        check_layout(model, layout, global_batch_size=3 if layout.virtual_stages > 1 else 8, seq_length=4096)
+
+
+def test_a_layout_that_cannot_fit_is_never_chosen():
+    model = preset("llama3-70b", 4096)
+    alone = predict(model, Layout(), DGX, CURVES, 8, 4096)
+    assert alone.memory.total > usable_bytes(80)           # 70B on one GPU: over 1 TB
+    assert search(model, 1, DGX, CURVES, 8, 4096) == []
+    for prediction in search(model, 16, DGX, CURVES, 64, 4096):
+        assert prediction.memory.total <= usable_bytes(80)
+
+
+def test_70b_on_64_gpus_keeps_tensor_parallelism_inside_a_node():
+    model = preset("llama3-70b", 4096)
+    space = SearchSpace(tp=(1, 2, 4, 8, 16, 32))    # let it try TP across nodes too
+    best = search(model, 64, DGX, CURVES, 512, 4096, space)
+    assert best, "some layout must fit"
+    for prediction in best:
+        layout = prediction.layout
+        assert 2 <= layout.tp <= 8                     # TP over NVLink only
+        assert layout.tp * layout.pp >= 8              # 70B needs model parallelism on 80 GB
+        assert layout.distributed_optimizer and layout.sequence_parallel
+
+
+def test_8b_on_8_gpus_needs_no_pipeline():
+    best = search(preset("llama3-8b", 4096), 8, DGX, CURVES, 64, 4096, top=1)[0]
+    assert best.layout.pp == 1 and best.layout.tp <= 2
+
+
+def test_175b_on_1024_gpus_uses_tp_within_a_node_and_a_pipeline():
+    best = search(preset("gpt3-175b", 2048), 1024, DGX, CURVES, 1536, 2048, top=1)[0]
+    assert best.layout.tp in (4, 8) and best.layout.pp >= 4
+
+
+def test_long_sequences_bring_context_parallelism_into_play():
+    model = preset("llama3-8b", 32768)
+    assert any(layout.cp > 1 for layout in candidates(model, 16, 8, 16, 32768))
+    assert all(layout.cp == 1 for layout in candidates(preset("llama3-8b", 4096), 16, 8, 16, 4096))

@@ -1,0 +1,107 @@
+"""Time model against hand-computed cases: collectives, GEMMs, an ideal GPU, the pipeline, DP."""
+
+import pytest
+
+from tessera.config import ModelConfig
+from tessera.perf.cluster import CLUSTERS, Cluster, Link
+from tessera.perf.hardware import GPU
+from tessera.perf.kernels import PROVISIONAL, KernelCurves
+from tessera.perf.layout import Layout
+from tessera.perf.simulator import predict
+
+PEAK = 1000e12
+# A GPU that runs every GEMM and attention kernel at its peak and has endless HBM and
+# links: the step time must then be the FLOPs really done divided by the peak.
+IDEAL_GPU = GPU("ideal", {"bf16": PEAK / 1e12}, 1000, 1e9)
+IDEAL_CURVES = KernelCurves("ideal", sms=1, gemm_max=1.0, gemm_k0=0.0, attn_max=1.0, attn_s0=0.0,
+                            hbm_efficiency=1.0)
+FAST = Link("endless", 1e12, 1.0, 0.0, 0.0)
+IDEAL = Cluster("ideal", IDEAL_GPU, 8, FAST, FAST)
+
+L, H, A, S, V = 4, 1024, 8, 2048, 4096
+
+
+def gpt(**extra):
+    return ModelConfig(num_layers=L, hidden_size=H, num_attention_heads=A, seq_length=S, vocab_size=V,
+                       hidden_dropout=0.0, attention_dropout=0.0, **extra)
+
+
+def real_flops_per_token():
+    # GEMMs: 6 FLOPs per weight per token (QKV 3h^2, projection h^2, MLP 8h^2) and the logits;
+    # causal attention: forward 2*s*h per token (half of QK^T and AV), backward 2.5x forward.
+    linear = 6 * (L * 12 * H * H + H * V)
+    attention = L * 3.5 * 2 * S * H
+    return linear + attention
+
+
+def test_ring_collectives_by_hand():
+    dgx = CLUSTERS["dgx-h100"]
+    size = 1e9
+    inside = dgx.all_gather(size, 8, 8)
+    assert inside == pytest.approx(7 * 3e-6 + 7 / 8 * size / (450e9 * 0.8))
+    one_per_node = dgx.reduce_scatter(size, 16, 1)
+    assert one_per_node == pytest.approx(15 * 8e-6 + 15 / 16 * size / (50e9 * 0.8))
+    # Eight ranks per node share eight NICs: 8 x 40 GB/s, below NVLink's 360 GB/s.
+    assert dgx.group_bandwidth(64, 8) == pytest.approx(8 * 50e9 * 0.8)
+    assert dgx.all_reduce(size, 64, 8) == pytest.approx(2 * dgx.all_gather(size, 64, 8))
+
+
+def test_gemm_time_by_hand():
+    curves = KernelCurves("test", sms=132, gemm_max=0.8, gemm_k0=128, attn_max=0.5, attn_s0=1024,
+                          hbm_efficiency=0.9)
+    # 1024 x 2048 output = 8 x 8 tiles of 128 x 256 = 64 tiles on 132 SMs: one wave, 64/132 busy.
+    efficiency = 0.8 * (64 / 132) * 4096 / (4096 + 128)
+    assert curves.gemm_efficiency(1024, 2048, 4096) == pytest.approx(efficiency)
+    assert curves.gemm_time(1024, 2048, 4096, PEAK, 1e15) == pytest.approx(2 * 1024 * 2048 * 4096 / (PEAK * efficiency))
+
+
+def test_one_ideal_gpu_takes_the_real_flops_over_peak():
+    batch = 4
+    prediction = predict(gpt(), Layout(micro_batch_size=2), IDEAL, IDEAL_CURVES, batch, S)
+    expected = batch * S * real_flops_per_token() / PEAK
+    assert prediction.step_time == pytest.approx(expected, rel=1e-6)
+    # MFU counts causal attention as the kernels do, but not the recomputed scores.
+    counted = batch * S * 6 * (L * 12 * H * H + H * V + L * S * H)
+    assert prediction.mfu == pytest.approx(counted / PEAK / expected)
+
+
+def test_pipeline_bubble_by_hand():
+    m, p = 8, 4
+    layout = Layout(pp=p, micro_batch_size=1)
+    prediction = predict(gpt(), layout, IDEAL, IDEAL_CURVES, m, S)
+    layers = S * (6 * L / p * 12 * H * H + L / p * 3.5 * 2 * S * H)
+    last_stage = (layers + S * 6 * H * V) / PEAK     # the last stage also computes the logits
+    assert prediction.step_time == pytest.approx((m + p - 1) * last_stage, rel=1e-6)
+    interleaved = predict(gpt(), Layout(pp=p, virtual_stages=2), IDEAL, IDEAL_CURVES, m, S)
+    assert interleaved.breakdown["pp_bubble"] == pytest.approx((p - 1) / 2 * last_stage)
+
+
+def test_exposed_data_parallel_communication_by_hand():
+    dgx = CLUSTERS["dgx-h100"]
+    model = gpt()
+    layout = Layout(dp=16, distributed_optimizer=True, overlap_grad_reduce=False, overlap_param_gather=False)
+    prediction = predict(model, layout, dgx, PROVISIONAL, 16, S)
+    params = L * (12 * H * H + 13 * H) + 2 * H + V * H + S * H
+    # DP 16 over two nodes, eight ranks each: fp32 gradients reduce-scattered, bf16 weights gathered.
+    expected = dgx.reduce_scatter(4 * params, 16, 8) + dgx.all_gather(2 * params, 16, 8)
+    assert prediction.breakdown["dp_comm"] == pytest.approx(expected)
+    overlapped = predict(model, Layout(dp=16, distributed_optimizer=True), dgx, PROVISIONAL, 16, S)
+    assert overlapped.breakdown["dp_comm"] < expected
+
+
+def test_tensor_parallel_costs_communication_and_sequence_parallel_saves_memory():
+    dgx = CLUSTERS["dgx-h100"]
+    # Wide enough that each GEMM outlasts the collective beside it.
+    model = ModelConfig(num_layers=2, hidden_size=8192, num_attention_heads=64, seq_length=S, vocab_size=V)
+    tp = predict(model, Layout(tp=8), dgx, PROVISIONAL, 8, S)
+    sp = predict(model, Layout(tp=8, sequence_parallel=True, tp_comm_overlap=True), dgx, PROVISIONAL, 8, S)
+    assert tp.breakdown["tp_comm"] > sp.breakdown["tp_comm"] > 0
+    assert sp.memory.activations < tp.memory.activations
+
+
+def test_full_recompute_costs_one_more_forward():
+    plain = predict(gpt(), Layout(), IDEAL, IDEAL_CURVES, 2, S)
+    full = predict(gpt(), Layout(recompute="full"), IDEAL, IDEAL_CURVES, 2, S)
+    layers_forward = 2 * S * (2 * L * 12 * H * H + L * 2 * S * H) / PEAK
+    assert full.step_time - plain.step_time == pytest.approx(layers_forward, rel=1e-6)
+    assert full.mfu < plain.mfu
