@@ -10,6 +10,7 @@ Three curves, each with one or two physical parameters:
 - Fused (flash/cuDNN) causal attention: efficiency rises with the sequence as the
   masked diagonal blocks matter less: a_max * s / (s + s0), on the FLOPs it really does
   (half the s x s scores forward, 2.5x forward for backward with recomputed scores).
+  With dropout it also draws a random number per score, which costs extra time.
 - Memory-bound ops (norms, activations, residuals, optimizer): bytes / (HBM x efficiency).
 
 The parameters come from bench/gemm.py's measurement on an H200 when that JSON exists
@@ -38,6 +39,10 @@ class KernelCurves:
     attn_max: float      # a_max: fused causal attention at long sequences
     attn_s0: float       # sequence length at which attention reaches half of a_max
     hbm_efficiency: float  # fraction of datasheet HBM bandwidth that copies reach
+    # Extra attention time with dropout: the kernel draws a Philox random number per
+    # score, forward and again in backward, on the CUDA cores. For head dimension 128
+    # that is about half the tensor-core time per score (an estimate until measured).
+    attn_dropout_cost: float = 0.5
 
     def wave_fill(self, m: int, n: int) -> float:
         """Fraction of SM slots busy over the waves of output tiles (best tile orientation)."""
@@ -101,6 +106,9 @@ def fit_curves(measurement: dict, base: KernelCurves = PROVISIONAL) -> KernelCur
             if best is None or error < best[0]:
                 best = (error, s0, math.exp(log_scale))
         fitted = replace(fitted, attn_s0=float(best[1]), attn_max=best[2])
+    dropout = measurement.get("attention_dropout_slowdown")
+    if dropout is not None:
+        fitted = replace(fitted, attn_dropout_cost=max(0.0, dropout - 1.0))
     if "hbm_gb_per_s" in measurement and "hbm_datasheet_gb_per_s" in measurement:
         fitted = replace(fitted, hbm_efficiency=measurement["hbm_gb_per_s"] / measurement["hbm_datasheet_gb_per_s"])
     return fitted

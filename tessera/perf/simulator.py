@@ -36,11 +36,6 @@ from tessera.perf.memory import MemoryBreakdown, estimate_memory, stage_paramete
 # Bytes a parameter costs in the optimizer step: Adam reads fp32 param, grad, m, v (16),
 # writes param, m, v (12) and the bf16 copy (2); the grad-norm reads the grad again (4).
 OPTIMIZER_BYTES_PER_PARAM = 34.0
-# Attention dropout makes the fused kernel draw a Philox random number per score, forward
-# and again in backward, on the CUDA cores: for head dimension 128 that is about half the
-# time of the tensor-core work per score (an estimate; bench/gemm.py can measure it).
-ATTENTION_DROPOUT_COST = 0.5
-
 # Bytes per logit of Megatron's unfused vocab-parallel cross-entropy. Forward: transpose
 # to contiguous (2+2), .float() (2+4), max (4), subtract (4+4), exp (4+4), sum (4),
 # divide (4+4) = 42; backward: scale the saved softmax (4+4), cast to bf16 (4+2),
@@ -132,7 +127,7 @@ class StepModel:
         attention_flops = 2.0 * tokens * self.seq * q / t
         efficiency = self.curves.attention_efficiency(int(self.seq / layout.cp)) * self.peak
         if model.attention_dropout > 0:
-            efficiency /= 1.0 + ATTENTION_DROPOUT_COST
+            efficiency /= 1.0 + self.curves.attn_dropout_cost
         fwd.add("attention", attention_flops / efficiency)
         bwd.add("attention", 2.5 * attention_flops / efficiency)  # dQ, dK, dV and the recomputed scores
 
