@@ -147,10 +147,20 @@ class ParallelConfig:
     context_parallel_size: int = option(1, "context-parallel ranks (split the sequence in attention)")
     expert_model_parallel_size: int = option(1, "expert-parallel ranks (split MoE experts)")
     sequence_parallel: bool = option(False, "shard norms and dropout along the sequence (needs TP > 1)")
+    use_distributed_optimizer: bool = option(False, "shard fp32 master weights and Adam moments over data-parallel ranks (ZeRO-1)")
+    overlap_grad_reduce: bool = option(False, "reduce each gradient bucket during backward, as soon as it is ready")
+    overlap_param_gather: bool = option(False, "all-gather updated parameters during the next forward (distributed optimizer)")
+    use_torch_fsdp2: bool = option(False, "shard parameters, gradients and optimizer state with PyTorch FSDP2 (ZeRO-3)")
+    ddp_bucket_size: int | None = option(None, "elements per gradient bucket (default max(40M, 1M x DP))")
+    accumulate_allreduce_grads_in_fp32: bool = option(False, "with --bf16, reduce gradients in fp32 (default: bf16 on the wire)")
 
     def __post_init__(self) -> None:
         _positive(self, "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                  "context_parallel_size", "expert_model_parallel_size")
+                  "context_parallel_size", "expert_model_parallel_size", "ddp_bucket_size")
+        _require(not (self.use_distributed_optimizer and self.use_torch_fsdp2),
+                 "--use-distributed-optimizer and --use-torch-fsdp2 are exclusive (FSDP2 already shards the optimizer)")
+        _require(not self.overlap_param_gather or self.use_distributed_optimizer,
+                 "--overlap-param-gather needs --use-distributed-optimizer")
 
     @property
     def model_parallel_size(self) -> int:

@@ -1,53 +1,152 @@
-"""AdamW with Megatron's weight-decay groups, and global gradient-norm clipping."""
+"""AdamW over any data-parallel layout, with one global gradient norm.
+
+`build_optimizer` picks how gradients are reduced and weights updated:
+
+    local       one process, or DDP: grads in a flat buffer, all-reduced (tessera.parallel.ddp)
+    distributed --use-distributed-optimizer: reduce-scatter, step own slices (tessera.parallel.zero)
+    fsdp2       --use-torch-fsdp2: FSDP2 reduce-scatters; every parameter is a DTensor shard
+
+and returns a `TrainingOptimizer` the trainer drives the same way in all three. Norms and
+biases (every 1-D parameter) get no weight decay, as in Megatron-LM.
+
+The gradient norm counts every element of the model exactly once: grads sharded over
+tensor-parallel ranks add their squares over the TP group; grads replicated over TP
+(norms, row-parallel biases) are counted on TP rank 0 only; grads sharded over data-
+parallel ranks (distributed optimizer, FSDP2) add their squares over the DP group.
+"""
 
 from __future__ import annotations
 
-
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from tessera.config import OptimConfig
+from tessera.config import OptimConfig, ParallelConfig
+from tessera.parallel.ddp import GradBuffer, default_bucket_size
+from tessera.parallel.mesh import Mesh
+from tessera.parallel.zero import DistributedOptimizer
 
 
-def build_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
-    """Fused AdamW; norms and biases (every 1-D parameter) get no weight decay."""
-    decay, no_decay = [], []
-    for param in model.parameters():
-        if param.requires_grad:
-            (no_decay if param.ndim == 1 else decay).append(param)
-    groups = [{"params": decay, "weight_decay": optim.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+def _adamw(params: list[torch.Tensor], optim: OptimConfig) -> torch.optim.AdamW:
+    decay = [p for p in params if p.ndim > 1]
+    no_decay = [p for p in params if p.ndim <= 1]
+    groups = [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=optim.lr, fused=True,
                              betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps)
 
 
-def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+def _is_tp_replicated(param: nn.Parameter) -> bool:
+    spec = getattr(param, "shard_spec", None)
+    return spec is None or spec.dim is None or spec.size == 1
 
 
-@torch.no_grad()
-def grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
-    """Global L2 norm of the gradients (a 0-d tensor; inf or nan on overflow)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+class TrainingOptimizer:
+    """Zero grads, reduce them, measure their global norm, and step AdamW."""
+
+    def __init__(self, model: nn.Module, optim: OptimConfig, mesh: Mesh, *, grads: GradBuffer | None,
+                 inner, dp_sharded: bool):
+        self.model, self.optim, self.mesh, self.grads, self.inner = model, optim, mesh, grads, inner
+        self.dp_sharded = dp_sharded  # each rank holds only its slice of the reduced grads
+        self._norm_groups = [g for g in (mesh.tp_group, mesh.group("dp_cp") if dp_sharded else None) if g]
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    def zero_grad(self) -> None:
+        if self.grads is not None:
+            self.grads.zero()
+        else:
+            self.inner.zero_grad(set_to_none=True)
+
+    def set_last_micro_batch(self, last: bool) -> None:
+        if self.grads is not None:
+            self.grads.set_last_micro_batch(last)
+
+    def finish_grad_sync(self) -> None:
+        if self.grads is not None:
+            self.grads.finish()
+
+    def _grads_for_norm(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(grads sharded over TP, grads replicated over TP) that this rank holds."""
+        if isinstance(self.inner, DistributedOptimizer):
+            owners = [(g, p) for g, p in zip(self.inner.local_grads(), self.inner.local_params())]
+        else:
+            owners = [(_local(p.grad), p) for p in self.model.parameters() if p.grad is not None]
+        sharded = [g for g, p in owners if not _is_tp_replicated(p)]
+        replicated = [g for g, p in owners if _is_tp_replicated(p)]
+        return sharded, replicated
+
+    @torch.no_grad()
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the (still loss-scaled) gradients; inf/nan on overflow."""
+        sharded, replicated = self._grads_for_norm()
+        device = self.grads.data.device if self.grads is not None else next(self.model.parameters()).device
+        squares = torch.zeros((), device=device)
+        if sharded:
+            squares += _sum_of_squares(sharded)
+        if replicated and self.mesh.tp_rank == 0:
+            squares += _sum_of_squares(replicated)
+        for group in self._norm_groups:
+            dist.all_reduce(squares, group=group)
+        return squares.sqrt()
+
+    @torch.no_grad()
+    def step(self, norm: torch.Tensor, loss_scale: float, lr: float) -> torch.Tensor:
+        """Unscale, clip and update in the fused AdamW kernel; returns the unscaled norm.
+
+        The fused kernel divides every gradient by `grad_scale` and skips the whole update
+        when `found_inf` is set (the interface torch.amp.GradScaler uses). Folding the loss
+        scale and the clip factor into it saves a pass over the gradients and needs no
+        device-to-host sync. The norm is global, so every rank agrees on the skip.
+        """
+        for group in self.inner.param_groups:
+            group["lr"] = lr
+        norm = norm / loss_scale
+        max_norm = self.optim.clip_grad
+        clip = (max_norm / (norm + 1e-6)).clamp(max=1.0) if max_norm > 0 else torch.ones_like(norm)
+        optimizer = self.inner.optimizer if isinstance(self.inner, DistributedOptimizer) else self.inner
+        optimizer.found_inf = (~torch.isfinite(norm)).float()
+        optimizer.grad_scale = loss_scale / clip
+        self.inner.step()
+        return norm
+
+    @property
+    def found_inf(self) -> torch.Tensor:
+        optimizer = self.inner.optimizer if isinstance(self.inner, DistributedOptimizer) else self.inner
+        return optimizer.found_inf
+
+    def state_bytes(self) -> int:
+        """Optimizer-state bytes on this rank (fp32 masters kept apart from the model, Adam moments)."""
+        if isinstance(self.inner, DistributedOptimizer):
+            return self.inner.state_bytes()
+        return 2 * 4 * sum(_local(p).numel() for p in self.model.parameters())
 
 
-@torch.no_grad()
-def fused_step(optimizer: torch.optim.Optimizer, norm: torch.Tensor, loss_scale: float,
-               max_norm: float) -> torch.Tensor:
-    """Unscale, clip and step in the fused AdamW kernel; returns the unscaled grad norm.
+def build_optimizer(model: nn.Module, optim: OptimConfig, parallel: ParallelConfig, mesh: Mesh, *,
+                    bf16: bool = False) -> TrainingOptimizer:
+    """The optimizer for the layout; call after the model is built (and FSDP2-wrapped)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if parallel.use_torch_fsdp2:
+        return TrainingOptimizer(model, optim, mesh, grads=None, inner=_adamw(params, optim), dp_sharded=True)
+    dp_size = mesh.dp_size * mesh.cp_size
+    grads = GradBuffer(
+        params, mesh.group("dp_cp"), bucket_size=parallel.ddp_bucket_size or default_bucket_size(dp_size),
+        overlap=parallel.overlap_grad_reduce, reduce_scatter=parallel.use_distributed_optimizer,
+        reduce_dtype=torch.bfloat16 if bf16 and not parallel.accumulate_allreduce_grads_in_fp32 else torch.float32,
+    )
+    if parallel.use_distributed_optimizer:
+        inner = DistributedOptimizer(model, grads, optim, param_dtype=torch.bfloat16 if bf16 else torch.float32,
+                                     overlap_param_gather=parallel.overlap_param_gather)
+        return TrainingOptimizer(model, optim, mesh, grads=grads, inner=inner, dp_sharded=True)
+    return TrainingOptimizer(model, optim, mesh, grads=grads, inner=_adamw(params, optim), dp_sharded=False)
 
-    The fused kernel divides every gradient by `grad_scale` and skips the whole update
-    when `found_inf` is set (the interface torch.amp.GradScaler uses). Folding the loss
-    scale and the clip factor into it saves a pass over the gradients and, unlike
-    clip_grad_norm_ + an overflow check, needs no device-to-host sync.
-    """
-    norm = norm / loss_scale
-    clip = (max_norm / (norm + 1e-6)).clamp(max=1.0) if max_norm > 0 else torch.ones_like(norm)
-    optimizer.found_inf = (~torch.isfinite(norm)).float()
-    optimizer.grad_scale = loss_scale / clip
-    optimizer.step()
-    return norm
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (FSDP2), or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    norms = torch._foreach_norm(tensors, 2.0)
+    return torch.stack(norms).float().square().sum()

@@ -1,13 +1,15 @@
 """The training loop: micro-batches accumulated into a global batch, one optimizer step each.
 
-The trainer is the one place that composes the model, data, optimizer, precision and
-metrics (DESIGN.md). One iteration:
+The trainer is the one place that composes the mesh, model, data, optimizer, precision
+and metrics (DESIGN.md). One iteration:
 
-    for each micro-batch: forward -> per-token loss -> backward (loss summed, / tokens in the batch)
-    unscale + global grad norm -> skip on overflow, else clip -> AdamW step at the scheduled LR
+    for each micro-batch: forward -> per-token loss -> backward of (masked loss sum / global tokens)
+    gradients reduced over data-parallel ranks (during the last backward with --overlap-grad-reduce)
+    global grad norm -> AdamW step, unscaled, clipped and skipped on overflow inside the fused kernel
 
-The loss of an iteration is the mean over every unmasked token of the global batch, so
-it does not depend on how the batch is cut into micro-batches.
+Each rank divides its loss by the number of unmasked tokens in the whole global batch, so
+summing gradients over ranks gives the mean over tokens exactly once, and neither the
+micro-batch split nor the number of data-parallel ranks changes the maths.
 """
 
 from __future__ import annotations
@@ -19,13 +21,16 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 
 from tessera.config import RunConfig
 from tessera.data.mock import MockGPTDataset
 from tessera.models.gpt import GPTModel, Recompute, initialize_parameters
+from tessera.parallel.fsdp import apply_fsdp2
+from tessera.parallel.mesh import Mesh, init_distributed
 from tessera.perf.flops import count_parameters, flops_per_iteration
 from tessera.training.metrics import IterationStats, MetricsWriter, peak_memory_gb, resolve_peak_tflops
-from tessera.training.optimizer import build_optimizer, fused_step, grad_norm, set_learning_rate
+from tessera.training.optimizer import build_optimizer
 from tessera.training.precision import LossScaler, autocast, autocast_dtype
 from tessera.training.schedules import LRSchedule
 
@@ -57,14 +62,20 @@ def resolve_device(name: str) -> torch.device:
 class Trainer:
     def __init__(self, config: RunConfig):
         self.config = config
-        model_cfg, train = config.model, config.train
-        self.device = resolve_device(train.device)
+        train, parallel = config.train, config.parallel
+        self.device = init_distributed(resolve_device(train.device))
+        self.mesh = Mesh.build(parallel, self.device.type)
+        self.data = _DataSource(config, self.mesh)
         torch.manual_seed(train.seed)
         recompute = Recompute(train.recompute_granularity, train.recompute_method, train.recompute_num_layers)
         with torch.device(self.device):
-            self.model = GPTModel(model_cfg, recompute=recompute)
+            self.model = GPTModel(config.model, tp_group=self.mesh.tp_group, recompute=recompute)
         initialize_parameters(self.model, train.seed)
-        self.optimizer = build_optimizer(self.model, config.optim)
+        if train.compile if train.compile is not None else self.device.type == "cuda":
+            self._compile()
+        if parallel.use_torch_fsdp2:
+            apply_fsdp2(self.model, self.mesh)
+        self.optimizer = build_optimizer(self.model, config.optim, parallel, self.mesh, bf16=train.bf16)
         self.lr_schedule = LRSchedule(config.optim, train.train_iters)
         self.loss_scaler = LossScaler(train)
         self.amp_dtype = autocast_dtype(train)
@@ -72,21 +83,18 @@ class Trainer:
         self.consumed_samples = 0
         self.skipped_iterations = 0
         self.nan_iterations = 0
-        if train.compile if train.compile is not None else self.device.type == "cuda":
-            self._compile()
         self._attention = _attention_backend(train.attention_backend, self.device)
-        self.train_data = self._batches("train")
-        self.valid_data = self._batches("valid") if train.eval_interval else None
+        self.train_data = self.data.micro_batches("train", consumed_samples=0)
+        self.valid_data = self.data.micro_batches("valid", consumed_samples=0) if train.eval_interval else None
         self.metrics = MetricsWriter(
-            flops_per_iteration=flops_per_iteration(model_cfg, train.global_batch_size, model_cfg.seq_length,
-                                                    self.model.vocab_size),
-            tokens_per_iteration=train.global_batch_size * model_cfg.seq_length,
-            num_gpus=config.world_size, global_batch_size=train.global_batch_size,
+            flops_per_iteration=flops_per_iteration(config.model, train.global_batch_size,
+                                                    vocab_size=self.model.vocab_size),
+            tokens_per_iteration=train.global_batch_size * config.model.seq_length,
+            num_gpus=self.mesh.world_size, global_batch_size=train.global_batch_size,
             peak_tflops=resolve_peak_tflops(train.peak_tflops, self.device, train.dtype_name),
             log_json=train.log_json, tensorboard_dir=train.tensorboard_dir,
+            enabled=self.mesh.rank == self.mesh.world_size - 1,  # Megatron logs from the last rank
         )
-
-    # -- setup -------------------------------------------------------------------------
 
     def _compile(self) -> None:
         """Compile each block and the output head separately: small graphs compile fast
@@ -94,17 +102,6 @@ class Trainer:
         for layer in self.model.layers:
             layer.compile()
         self.model.head = torch.compile(self.model.head)  # instance attribute shadows the method
-
-    def _batches(self, split: str) -> Iterator[Batch]:
-        cfg, train = self.config, self.config.train
-        if not cfg.data.mock_data:
-            raise SystemExit("tessera train: error: no data given; use --mock-data")
-        samples = train.train_iters * train.global_batch_size
-        if split == "valid":
-            samples = (train.train_iters // train.eval_interval + 1) * train.eval_iters * train.global_batch_size
-        seed = train.seed if split == "train" else train.seed + 1
-        dataset = MockGPTDataset(samples, cfg.model.seq_length, cfg.model.vocab_size, seed)
-        return _micro_batches(dataset, train.micro_batch_size, rank=0, size=cfg.data_parallel_size)
 
     # -- one iteration -----------------------------------------------------------------
 
@@ -115,35 +112,45 @@ class Trainer:
                                 attention_mask=batch.get("attention_mask"))
         return (losses * batch["loss_mask"]).sum()
 
+    def _sum_over_data_parallel(self, value: torch.Tensor) -> torch.Tensor:
+        group = self.mesh.group("dp_cp")
+        if group is not None:
+            dist.all_reduce(value, group=group)
+        return value
+
     def train_step(self) -> StepResult:
         self.model.train()
         micro_batches = [self._to_device(next(self.train_data)) for _ in range(self.config.num_micro_batches)]
-        num_tokens = sum(b["loss_mask"].sum() for b in micro_batches).clamp(min=1)
+        tokens = self._sum_over_data_parallel(sum(b["loss_mask"].sum() for b in micro_batches).float()).clamp(min=1)
         scale = self.loss_scaler.scale
         loss_sum = torch.zeros((), device=self.device)
-        for batch in micro_batches:
+        self.optimizer.zero_grad()
+        for index, batch in enumerate(micro_batches):
+            self.optimizer.set_last_micro_batch(index == len(micro_batches) - 1)
             loss = self._forward(batch)
-            (loss * (scale / num_tokens)).backward()
+            (loss * (scale / tokens)).backward()
             loss_sum += loss.detach()
-        norm = grad_norm(list(self.model.parameters()))
+        self.optimizer.finish_grad_sync()
+        norm = self.optimizer.grad_norm()
         if self.loss_scaler.dynamic:  # the scale of the next iteration depends on this one
             self.loss_scaler.update(not torch.isfinite(norm).item())
-        set_learning_rate(self.optimizer, self.lr_schedule(self.iteration))
-        norm = fused_step(self.optimizer, norm, scale, self.config.optim.clip_grad)
-        self.optimizer.zero_grad(set_to_none=True)
+        norm = self.optimizer.step(norm, scale, self.lr_schedule(self.iteration))
         self.iteration += 1
         self.consumed_samples += self.config.train.global_batch_size
-        return StepResult(loss_sum / num_tokens, norm, self.optimizer.found_inf > 0)
+        loss = self._sum_over_data_parallel(loss_sum) / tokens
+        return StepResult(loss, norm, self.optimizer.found_inf > 0)
 
     @torch.no_grad()
     def evaluate(self) -> float:
         self.model.eval()
-        total, tokens = 0.0, 0.0
+        total = torch.zeros((), device=self.device)
+        tokens = torch.zeros((), device=self.device)
         for _ in range(self.config.train.eval_iters * self.config.num_micro_batches):
             batch = self._to_device(next(self.valid_data))
-            total += self._forward(batch).item()
-            tokens += batch["loss_mask"].sum().item()
-        return total / max(tokens, 1.0)
+            total += self._forward(batch)
+            tokens += batch["loss_mask"].sum()
+        totals = self._sum_over_data_parallel(torch.stack([total, tokens]))
+        return (totals[0] / totals[1].clamp(min=1)).item()
 
     # -- the loop ----------------------------------------------------------------------
 
@@ -192,13 +199,14 @@ class Trainer:
         ))
 
     def _log_start(self) -> None:
-        cfg = self.config
+        cfg, mesh = self.config, self.mesh
         params = count_parameters(cfg.model, self.model.vocab_size)
         self.metrics.info(
             f"tessera: {params.total / 1e6:.1f}M parameters ({params.non_embedding / 1e6:.1f}M non-embedding) | "
-            f"device {self.device} | {cfg.train.dtype_name} | global batch {cfg.train.global_batch_size} = "
-            f"{cfg.num_micro_batches} micro-batches x {cfg.train.micro_batch_size} x DP {cfg.data_parallel_size} "
-            f"| seq {cfg.model.seq_length}"
+            f"{mesh.world_size} x {self.device.type} | TP {mesh.tp_size} CP {mesh.cp_size} DP {mesh.dp_size} "
+            f"PP {mesh.pp_size} | {cfg.train.dtype_name} | global batch {cfg.train.global_batch_size} = "
+            f"{cfg.num_micro_batches} micro-batches x {cfg.train.micro_batch_size} x DP {mesh.dp_size} "
+            f"| seq {cfg.model.seq_length} | optimizer state {self.optimizer.state_bytes() / 2**30:.3f} GiB/rank"
         )
 
     def _to_device(self, batch: Batch) -> Batch:
@@ -209,14 +217,46 @@ class Trainer:
             torch.cuda.synchronize(self.device)
 
 
-def _micro_batches(dataset, micro_batch_size: int, rank: int, size: int) -> Iterator[Batch]:
-    """Consecutive micro-batches of this data-parallel rank, Megatron's sequential order."""
-    start = 0
-    while True:
-        first = start + rank * micro_batch_size
-        samples = [dataset[(first + i) % len(dataset)] for i in range(micro_batch_size)]
-        yield {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
-        start += micro_batch_size * size
+class _DataSource:
+    """Datasets of the run (mock or .bin/.idx) and this data-parallel rank's micro-batches."""
+
+    def __init__(self, config: RunConfig, mesh: Mesh):
+        self.config, self.mesh = config, mesh
+        train, data = config.train, config.data
+        samples = {
+            "train": train.train_iters * train.global_batch_size,
+            "valid": (train.train_iters // train.eval_interval + 1) * train.eval_iters * train.global_batch_size
+            if train.eval_interval else 0,
+        }
+        if data.mock_data:
+            if config.model.vocab_size is None:
+                raise SystemExit("tessera train: error: --mock-data needs --vocab-size (or a --model preset)")
+            self.datasets = {split: MockGPTDataset(count, config.model.seq_length, config.model.vocab_size,
+                                                   train.seed + (split == "valid"))
+                             for split, count in samples.items()}
+            return
+        from tessera.data.loader import build_train_valid_test_datasets
+        from tessera.data.tokenizers import build_tokenizer
+
+        tokenizer = build_tokenizer(data, config.model.vocab_size)
+        if config.model.vocab_size is None:
+            config.model.vocab_size = tokenizer.vocab_size
+        train_set, valid_set, _ = build_train_valid_test_datasets(
+            data, seq_length=config.model.seq_length, seed=train.seed, train_samples=samples["train"],
+            valid_samples=samples["valid"], test_samples=0, tokenizer_eod=tokenizer.eod)
+        self.datasets = {"train": train_set, "valid": valid_set}
+
+    def micro_batches(self, split: str, consumed_samples: int) -> Iterator[Batch]:
+        from tessera.data.loader import build_data_loader
+
+        dataset = self.datasets[split]
+        if dataset is None:
+            raise SystemExit(f"tessera train: error: no {split} data (check --split / --{split}-data-path)")
+        loader = build_data_loader(
+            dataset, micro_batch_size=self.config.train.micro_batch_size, dp_rank=self.mesh.dp_rank,
+            dp_size=self.mesh.dp_size, consumed_samples=consumed_samples, num_workers=self.config.data.num_workers,
+            pin_memory=torch.cuda.is_available(), seed=self.config.train.seed)
+        return iter(loader)
 
 
 def _attention_backend(name: str, device: torch.device):

@@ -9,6 +9,7 @@ An exception on any rank fails the test with that rank's traceback.
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 
@@ -29,8 +30,9 @@ def _worker(rank: int, world_size: int, port: int, fn, args, queue) -> None:
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        result = fn(*args)
-        queue.put((rank, "ok", result))
+        # Plain pickle bytes: tensors sent through the queue as shared memory would vanish
+        # when this process exits, before the test reads them.
+        queue.put((rank, "ok", pickle.dumps(fn(*args))))
     except BaseException:  # noqa: BLE001 -- report any failure to the test
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -53,7 +55,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 240.0) -> list:
             rank, status, value = queue.get(timeout=timeout)
             if status == "error":
                 errors.append(f"rank {rank}:\n{value}")
-            results[rank] = value
+            results[rank] = pickle.loads(value) if status == "ok" else value
     finally:
         for process in processes:
             process.join(timeout=30)

@@ -56,7 +56,7 @@ def test_gradient_clipping_bounds_the_update():
     assert result.grad_norm > 1e-3          # the reported norm is the unclipped one
     # Adam's first step moves each element by lr * g/|g| ~ lr whatever the scale, so check the
     # clipped gradient through the first moment instead: m = (1 - beta1) * g_clipped.
-    state = trainer.optimizer.state
+    state = trainer.optimizer.inner.state
     moments = [state[p]["exp_avg"] for p in trainer.model.parameters()]
     clipped_norm = torch.linalg.vector_norm(torch.stack([m.norm() for m in moments])) / (1 - 0.9)
     assert clipped_norm.item() == pytest.approx(1e-3, rel=1e-3)

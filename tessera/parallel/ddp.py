@@ -1,0 +1,141 @@
+"""Data parallelism: gradients in contiguous bucketed buffers, reduced during backward.
+
+Every gradient lives in one flat fp32 buffer ("main grads"), laid out in the reverse
+order of registration, which is roughly the order backward produces them. The buffer
+is cut into buckets of about --ddp-bucket-size elements. With --overlap-grad-reduce, a
+bucket's collective starts as soon as the last of its gradients has been accumulated
+in the last micro-batch of a step, so communication hides behind the rest of backward;
+earlier micro-batches only accumulate.
+
+The collective is a sum: the trainer divides each rank's loss by the number of tokens
+in the *global* batch, so summing over data-parallel ranks gives the mean gradient
+exactly once. With the distributed optimizer the sum is a reduce-scatter: each rank
+receives the sum of its own 1/DP of every bucket (buckets are padded to split evenly).
+
+Written here rather than using torch DDP because the distributed optimizer needs to own
+the buffer layout (its shards are slices of these buckets), and because Megatron's
+"sum once over dp x cp, reduce in bf16 or fp32" choices must be explicit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass
+class Bucket:
+    start: int                       # [start, end) in the flat buffer; end - start divides by DP
+    end: int
+    params: list[nn.Parameter]
+    ready: set = field(default_factory=set)
+    work: object = None              # the in-flight collective
+    staging: torch.Tensor | None = None   # low-precision copy on the wire, if any
+
+
+class GradBuffer:
+    """Flat main-grad buffer of `params`, bucketed, summed over `group` (sum or reduce-scatter)."""
+
+    def __init__(self, params: list[nn.Parameter], group, *, bucket_size: int, overlap: bool,
+                 reduce_scatter: bool, reduce_dtype: torch.dtype = torch.float32):
+        self.group, self.overlap, self.reduce_scatter, self.reduce_dtype = group, overlap, reduce_scatter, reduce_dtype
+        self.dp_size = dist.get_world_size(group) if group is not None else 1
+        self.dp_rank = dist.get_rank(group) if group is not None else 0
+        self.ranges: dict[nn.Parameter, tuple[int, int]] = {}
+        self.buckets: list[Bucket] = []
+        offset, bucket_start, members = 0, 0, []
+        for param in reversed([p for p in params if p.requires_grad]):
+            self.ranges[param] = (offset, offset + param.numel())
+            offset += param.numel()
+            members.append(param)
+            if offset - bucket_start >= bucket_size:
+                offset = self._close_bucket(bucket_start, offset, members)
+                bucket_start, members = offset, []
+        if members:
+            offset = self._close_bucket(bucket_start, offset, members)
+        device = params[0].device
+        self.data = torch.zeros(offset, dtype=torch.float32, device=device)
+        self._bucket_of = {p: b for b in self.buckets for p in b.params}
+        self._last_micro_batch = True
+        for param in self.ranges:
+            if param.dtype == torch.float32:
+                param.grad = self.view(param)  # autograd accumulates into the buffer in place
+            param.register_post_accumulate_grad_hook(self._on_grad_accumulated)
+
+    def _close_bucket(self, start: int, end: int, members: list[nn.Parameter]) -> int:
+        padded = start + -(-(end - start) // self.dp_size) * self.dp_size
+        self.buckets.append(Bucket(start, padded, list(members)))
+        return padded
+
+    def view(self, param: nn.Parameter) -> torch.Tensor:
+        start, end = self.ranges[param]
+        return self.data[start:end].view_as(param)
+
+    def shard_range(self, bucket: Bucket) -> tuple[int, int]:
+        """The slice of `bucket` this rank owns under reduce-scatter."""
+        size = (bucket.end - bucket.start) // self.dp_size
+        start = bucket.start + self.dp_rank * size
+        return start, start + size
+
+    # -- per step --------------------------------------------------------------------
+
+    def zero(self) -> None:
+        self.data.zero_()
+        for bucket in self.buckets:
+            bucket.ready.clear()
+
+    def set_last_micro_batch(self, last: bool) -> None:
+        """Collectives start only in the last micro-batch of a step; earlier ones accumulate."""
+        self._last_micro_batch = last
+
+    def _on_grad_accumulated(self, param: nn.Parameter) -> None:
+        if param.dtype != torch.float32:
+            # Low-precision parameters (distributed optimizer with bf16 weights): add the
+            # fresh gradient to the fp32 main grad and free it.
+            self.view(param).add_(param.grad)
+            param.grad = None
+        if not (self.overlap and self._last_micro_batch):
+            return
+        bucket = self._bucket_of[param]
+        bucket.ready.add(param)
+        if len(bucket.ready) == len(bucket.params):
+            self._launch(bucket)
+
+    def _launch(self, bucket: Bucket) -> None:
+        if self.group is None or bucket.work is not None:
+            return
+        data = self.data[bucket.start:bucket.end]
+        if self.reduce_dtype != torch.float32:
+            bucket.staging = data.to(self.reduce_dtype)
+            data = bucket.staging
+        if self.reduce_scatter:
+            start, end = self.shard_range(bucket)
+            output = torch.empty(end - start, dtype=data.dtype, device=data.device)
+            work = dist.reduce_scatter_tensor(output, data, group=self.group, async_op=True)
+            bucket.work = (work, output)
+        else:
+            bucket.work = (dist.all_reduce(data, group=self.group, async_op=True), None)
+
+    def finish(self) -> None:
+        """Start any collective not yet started, wait for all, and land results in the buffer."""
+        if self.group is None:
+            return
+        for bucket in self.buckets:
+            self._launch(bucket)
+        for bucket in self.buckets:
+            work, output = bucket.work
+            work.wait()
+            if output is not None:
+                start, end = self.shard_range(bucket)
+                self.data[start:end].copy_(output)
+            elif bucket.staging is not None:
+                self.data[bucket.start:bucket.end].copy_(bucket.staging)
+            bucket.work, bucket.staging = None, None
+
+
+def default_bucket_size(dp_size: int) -> int:
+    """Megatron's default: max(40M, 1M x DP) elements."""
+    return max(40_000_000, 1_000_000 * dp_size)

@@ -1,0 +1,33 @@
+"""ZeRO-3 through PyTorch FSDP2 (--use-torch-fsdp2): parameters, gradients and optimizer
+state sharded over the data-parallel ranks.
+
+`fully_shard` wraps each transformer block (one all-gather per block in forward and
+backward, freed after use) and then the root (embeddings, final norm, output layer).
+It shards the tensor-parallel shards it is given, so TP x FSDP composes: the TP layers
+split the maths, FSDP2 splits the storage along the data-parallel dimension only.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from tessera.parallel.mesh import Mesh
+
+
+def apply_fsdp2(model: nn.Module, mesh: Mesh, *, reshard_after_forward: bool = True) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    dp_mesh = mesh.submesh("dp")
+    for layer in model.layers:
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    # The trainer divides each rank's loss by the tokens of the whole global batch, so the
+    # gradients must be summed over ranks, not averaged (FSDP2's default).
+    for module in [*model.layers, model]:
+        if hasattr(module, "set_gradient_divide_factor"):
+            module.set_gradient_divide_factor(1.0)
+        else:  # older torch
+            module.set_reduce_scatter_divide_factor(1.0)
+        if hasattr(module, "set_force_sum_reduction_for_comms"):
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
+    return model

@@ -1,0 +1,130 @@
+"""The distributed optimizer (ZeRO-1, --use-distributed-optimizer).
+
+Each data-parallel rank owns 1/DP of every gradient bucket (tessera.parallel.ddp). After
+the reduce-scatter it holds the summed gradients of its slices; it keeps fp32 master
+weights and Adam moments for those slices only, steps them, and all-gathers the updated
+weights so that every rank has the full model for the next forward.
+
+Model parameters live in one flat buffer laid out exactly like the gradient buffer, so a
+rank's slice of the weights is a contiguous view. With --bf16 the model's weights are
+bf16 (no casts in the forward pass, half the all-gather traffic) and the optimizer keeps
+separate fp32 masters; in fp32 runs the weights are their own masters.
+
+With --overlap-param-gather the all-gathers start right after the step, and each module
+waits for its bucket only when the next forward reaches it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tessera.config import OptimConfig
+from tessera.parallel.ddp import GradBuffer
+
+
+class DistributedOptimizer:
+    def __init__(self, model: nn.Module, grads: GradBuffer, optim: OptimConfig, *,
+                 param_dtype: torch.dtype = torch.float32, overlap_param_gather: bool = False):
+        self.grads, self.group = grads, grads.group
+        self.overlap_param_gather = overlap_param_gather
+        device = grads.data.device
+        # Masters are cut from the fp32 weights before they are cast, so bf16 rounding of
+        # the model copy never reaches the optimizer.
+        self.params = torch.zeros(grads.data.numel(), dtype=param_dtype, device=device)
+        decay, no_decay = [], []
+        self._masters: list[tuple[torch.Tensor, torch.Tensor, nn.Parameter]] = []  # (master, model view, param)
+        for param, (start, end) in grads.ranges.items():
+            with torch.no_grad():
+                self.params[start:end].copy_(param.detach().flatten())
+            for bucket_start, bucket_end in map(grads.shard_range, grads.buckets):
+                lo, hi = max(start, bucket_start), min(end, bucket_end)
+                if lo >= hi:
+                    continue
+                model_view = self.params[lo:hi]
+                master = param.detach().flatten()[lo - start:hi - start].float().clone() \
+                    if param_dtype != torch.float32 else model_view
+                master.grad = grads.data[lo:hi]
+                (no_decay if param.ndim == 1 else decay).append(master)
+                self._masters.append((master, model_view, param))
+        for param, (start, end) in grads.ranges.items():
+            param.data = self.params[start:end].view_as(param)  # the model now reads the flat buffer
+            if param_dtype != torch.float32:
+                param.grad = None  # main grads are filled by GradBuffer's hook
+        groups = [{"params": decay, "weight_decay": optim.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        self.optimizer = torch.optim.AdamW(
+            [g for g in groups if g["params"]] or [{"params": [torch.zeros(0, device=device)]}],
+            lr=optim.lr, betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps, fused=True,
+        )
+        self._gathers: dict[int, object] = {}
+        if overlap_param_gather:
+            self._install_wait_hooks(model)
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state on this rank: fp32 masters (if separate) and Adam moments."""
+        moments = sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
+                      for t in s.values() if torch.is_tensor(t) and t.ndim > 0)
+        masters = sum(m.numel() * 4 for m, v, _ in self._masters if m is not v)
+        if not self.optimizer.state:  # before the first step: what the moments will take
+            moments = 2 * sum(m.numel() * 4 for m, _, _ in self._masters)
+        return moments + masters
+
+    def local_grads(self) -> list[torch.Tensor]:
+        """The reduced gradients this rank owns (each element of the model exactly once over DP)."""
+        return [master.grad for master, _, _ in self._masters]
+
+    def local_params(self) -> list[nn.Parameter]:
+        """The model parameter each of `local_grads()` belongs to."""
+        return [param for _, _, param in self._masters]
+
+    def step(self) -> None:
+        """Step the owned slices (grad_scale/found_inf set by the caller), then share them."""
+        self.optimizer.step()
+        with torch.no_grad():
+            for master, model_view, _ in self._masters:
+                if master is not model_view:
+                    model_view.copy_(master)
+        self._start_gathers()
+        if not self.overlap_param_gather:
+            self.wait_all()
+
+    def _start_gathers(self) -> None:
+        if self.group is None:
+            return
+        # Last bucket first: the forward pass needs the earliest layers, laid out last.
+        for index in reversed(range(len(self.grads.buckets))):
+            bucket = self.grads.buckets[index]
+            start, end = self.grads.shard_range(bucket)
+            self._gathers[index] = dist.all_gather_into_tensor(
+                self.params[bucket.start:bucket.end], self.params[start:end].clone(), group=self.group,
+                async_op=True)
+
+    def wait_all(self) -> None:
+        for index in list(self._gathers):
+            self._gathers.pop(index).wait()
+
+    def _install_wait_hooks(self, model: nn.Module) -> None:
+        """Before each top-level unit (a block, the embedding, ...) runs, wait for its buckets."""
+        bucket_index = {p: i for i, b in enumerate(self.grads.buckets) for p in b.params}
+        children = [m for name, m in model.named_children() if name != "layers"] + list(getattr(model, "layers", []))
+        for unit in [model, *children]:
+            own = unit.parameters(recurse=False) if unit is model else unit.parameters()
+            indices = sorted({bucket_index[p] for p in own if p in bucket_index})
+            if indices:
+                unit.register_forward_pre_hook(lambda _module, _args, indices=indices: self._wait(indices))
+
+    def _wait(self, indices: list[int]) -> None:
+        for index in indices:
+            work = self._gathers.pop(index, None)
+            if work is not None:
+                work.wait()

@@ -1,0 +1,60 @@
+"""Train the same tiny model single-process and under parallel layouts, and compare.
+
+Every layout must reproduce the single-process run: the loss and the gradient norm at
+every step, and every parameter after the last step.
+
+Tolerance, fp32 on CPU: the layouts add the same numbers in another order (all-reduce of
+partial gradient sums, reduce-scatter, sharded norms), which changes results by a few
+ulps per operation. Losses and gradient norms are compared element-wise at rtol 1e-5.
+Parameters are compared per tensor by ||a - b|| / ||b|| <= 1e-5: Adam divides each
+update by sqrt(v), which magnifies rounding in individual near-zero gradients, so an
+element-wise relative bound would test that amplification, not the layout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tessera.cli.args import parse_run_config
+from tessera.training.trainer import Trainer
+
+STEPS = 5
+BASE = ["--model", "tiny-llama", "--mock-data", "--lr", "3e-3", "--train-iters", str(STEPS),
+        "--micro-batch-size", "2", "--global-batch-size", "16", "--log-interval", "1000", "--num-workers", "0",
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "11", "--lr-warmup-iters", "1"]
+
+
+def full_parameters(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Every parameter as the full tensor, whatever the layout (DTensor shards are gathered)."""
+    full = {}
+    for name, param in trainer.model.named_parameters():
+        tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
+        full[name.replace("_orig_mod.", "")] = tensor.detach().float().clone()
+    return full
+
+
+def train(flags: list[str]) -> dict:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    config, _ = parse_run_config(BASE + flags, "test", world_size=world)
+    trainer = Trainer(config)
+    history = trainer.train()
+    return {"loss": [r.loss for r in history], "grad_norm": [r.grad_norm for r in history],
+            "params": full_parameters(trainer)}
+
+
+def train_layouts(layouts: dict[str, list[str]]) -> dict[str, dict]:
+    """Run on every rank: each layout in turn; results of rank 0."""
+    return {name: train(flags) for name, flags in layouts.items()}
+
+
+def assert_equivalent(reference: dict, result: dict, layout: str) -> None:
+    torch.testing.assert_close(result["loss"], reference["loss"], rtol=1e-5, atol=0,
+                               msg=lambda m: f"{layout}: loss differs\n{m}")
+    torch.testing.assert_close(result["grad_norm"], reference["grad_norm"], rtol=1e-5, atol=0,
+                               msg=lambda m: f"{layout}: grad norm differs\n{m}")
+    assert result["params"].keys() == reference["params"].keys(), layout
+    for name, expected in reference["params"].items():
+        actual = result["params"][name]
+        error = ((actual - expected).norm() / expected.norm()).item()
+        assert error <= 1e-5, f"{layout}: parameter {name} differs by {error:.2e} (relative norm)"

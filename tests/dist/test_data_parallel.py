@@ -1,0 +1,85 @@
+"""Data parallelism, the distributed optimizer and FSDP2 against single-process training."""
+
+import pytest
+
+from tests.dist.equivalence import assert_equivalent, train
+from tests.dist.launcher import run_distributed
+from tests.dist import equivalence
+
+LAYOUTS = {
+    2: {
+        "DP=2": [],
+        "DP=2 overlap": ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"],
+        "DP=2 distributed optimizer": ["--use-distributed-optimizer"],
+        "DP=2 distributed optimizer, overlap, param gather":
+            ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+             "--ddp-bucket-size", "20000"],
+        "FSDP2 DP=2": ["--use-torch-fsdp2"],
+    },
+    4: {
+        "DP=4 overlap": ["--overlap-grad-reduce", "--ddp-bucket-size", "30000"],
+        "DP=4 distributed optimizer": ["--use-distributed-optimizer", "--overlap-grad-reduce"],
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return train([])
+
+
+@pytest.fixture(scope="module")
+def results():
+    out = {}
+    for world_size, layouts in LAYOUTS.items():
+        out.update(run_distributed(equivalence.train_layouts, world_size, layouts)[0])
+    return out
+
+
+@pytest.mark.parametrize("layout", [name for layouts in LAYOUTS.values() for name in layouts])
+def test_layout_matches_single_process(reference, results, layout):
+    assert_equivalent(reference, results[layout], layout)
+
+
+def _launch_pattern():
+    """Which buckets have started reducing when backward ends, per micro-batch kind."""
+    import torch
+
+    from tessera.config import ParallelConfig
+    from tessera.parallel.ddp import GradBuffer
+    from tessera.parallel.mesh import Mesh
+
+    mesh = Mesh.build(ParallelConfig(), "cpu")
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+    grads = GradBuffer(list(model.parameters()), mesh.group("dp_cp"), bucket_size=300, overlap=True,
+                       reduce_scatter=False)
+    started = {}
+    for last in (False, True):
+        grads.zero()
+        grads.set_last_micro_batch(last)
+        model(torch.randn(3, 16)).sum().backward()
+        started[last] = [bucket.work is not None for bucket in grads.buckets]
+        grads.finish()
+    return len(grads.buckets), started
+
+
+def test_overlap_starts_every_bucket_during_the_last_backward_only():
+    num_buckets, started = run_distributed(_launch_pattern, 2)[0]
+    assert num_buckets >= 3
+    assert started[False] == [False] * num_buckets   # accumulation micro-batches: no communication
+    assert started[True] == [True] * num_buckets     # all launched before finish() is called
+
+
+def _state_bytes(flags):
+    from tessera.cli.args import parse_run_config
+    from tessera.training.trainer import Trainer
+    import torch.distributed as dist
+
+    config, _ = parse_run_config(equivalence.BASE + flags, "test", world_size=dist.get_world_size())
+    return Trainer(config).optimizer.state_bytes()
+
+
+def test_distributed_optimizer_shards_the_state():
+    replicated = run_distributed(_state_bytes, 2, [])[0]
+    sharded = run_distributed(_state_bytes, 2, ["--use-distributed-optimizer"])
+    assert all(abs(s - replicated / 2) < 0.01 * replicated for s in sharded)
