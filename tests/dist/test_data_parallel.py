@@ -51,7 +51,7 @@ def _launch_pattern():
 
     mesh = Mesh.build(ParallelConfig(), "cpu")
     model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
-    grads = GradBuffer(list(model.parameters()), mesh.group("dp_cp"), bucket_size=300, overlap=True,
+    grads = GradBuffer(list(model.parameters()), mesh.group("dp_cp"), bucket_size=200, overlap=True,
                        reduce_scatter=False)
     started = {}
     for last in (False, True):
