@@ -81,8 +81,7 @@ class TrainingOptimizer:
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the (still loss-scaled) gradients; inf/nan on overflow."""
         sharded, replicated = self._grads_for_norm()
-        device = self.grads.data.device if self.grads is not None else next(self.model.parameters()).device
-        squares = torch.zeros((), device=device)
+        squares = torch.zeros((), device=next(self.model.parameters()).device)
         if sharded:
             squares += _sum_of_squares(sharded)
         if replicated and self.mesh.tp_rank == 0:
@@ -130,6 +129,9 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, parallel: ParallelConf
     if parallel.use_torch_fsdp2:
         return TrainingOptimizer(model, optim, mesh, grads=None, inner=_adamw(params, optim), dp_sharded=True)
     dp_size = mesh.dp_size * mesh.cp_size
+    if dp_size == 1 and not parallel.use_distributed_optimizer:
+        # Nothing to reduce: plain .grad tensors, freed rather than zeroed between steps.
+        return TrainingOptimizer(model, optim, mesh, grads=None, inner=_adamw(params, optim), dp_sharded=False)
     grads = GradBuffer(
         params, mesh.group("dp_cp"), bucket_size=parallel.ddp_bucket_size or default_bucket_size(dp_size),
         overlap=parallel.overlap_grad_reduce, reduce_scatter=parallel.use_distributed_optimizer,
