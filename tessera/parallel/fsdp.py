@@ -18,6 +18,9 @@ def apply_fsdp2(model: nn.Module, mesh: Mesh, *, reshard_after_forward: bool = T
     from torch.distributed.fsdp import fully_shard
 
     dp_mesh = mesh.submesh("dp")
+    # fully_shard replaces every parameter by a new DTensor parameter: carry over what the
+    # rest of tessera attached to the old ones (ShardSpec, sequence-parallel marks, ...).
+    attributes = {name: dict(param.__dict__) for name, param in model.named_parameters()}
     for layer in model.layers:
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
@@ -30,4 +33,6 @@ def apply_fsdp2(model: nn.Module, mesh: Mesh, *, reshard_after_forward: bool = T
             module.set_reduce_scatter_divide_factor(1.0)
         if hasattr(module, "set_force_sum_reduction_for_comms"):
             module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
+    for name, param in model.named_parameters():
+        param.__dict__.update(attributes.get(name, {}))
     return model
