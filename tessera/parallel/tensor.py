@@ -1,113 +1,266 @@
-"""Tensor-parallel building blocks (Megatron-style): they become plain layers at TP=1.
+"""Tensor and sequence parallelism (Megatron-style): layers that split their weights over
+the ranks of a tensor-parallel (TP) group, and the autograd collectives between them.
 
-Each layer stores only its shard of the weight and records how the shard is cut from
-the full weight (`ShardSpec`), so that initialisation, checkpoints and Hugging Face
-conversion can always work on the full, layout-independent tensor.
+    ColumnParallelLinear   W split by output rows: each rank computes some output features
+    RowParallelLinear      W split by input columns: partial sums reduced over ranks
+    VocabParallelEmbedding vocabulary rows split: each rank looks up the ids it holds
+    vocab_parallel_cross_entropy   loss of vocab-split logits without gathering them
 
-At TP=1 (`tp_group=None`) every layer is exactly nn.Linear / nn.Embedding and every
-loss is F.cross_entropy; the tensor-parallel collectives are added by the parallelism
-work (see tessera.parallel.mesh) without changing these interfaces.
+Every collective comes with its conjugate in backward (all-reduce <-> identity,
+all-gather <-> reduce-scatter/split). With --sequence-parallel, the activations between
+TP regions (norms, dropout, residuals) are split along the sequence: all-gather before a
+column-parallel layer and reduce-scatter after a row-parallel one replace the all-reduce.
+
+Each layer stores only its shard and records how it is cut from the full weight
+(tessera.parallel.sharding.ShardSpec). With `tp_group=None` (TP=1) every layer is
+exactly nn.Linear / nn.Embedding and no collective runs.
+
+Activations are [batch, seq, hidden]; the sequence dimension is 1.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from tessera.parallel.sharding import ShardSpec, annotate, rank_and_size, sum_replica_grads
 
-@dataclass(frozen=True)
-class ShardSpec:
-    """How one rank's shard is cut from a full parameter.
-
-    `segments` lists the sizes along `dim` of the blocks fused in one weight (for
-    example q, k and v of a fused QKV projection); each block is split evenly over the
-    tensor-parallel ranks, and a rank's shard is its piece of every block, concatenated.
-    `dim=None` means the parameter is replicated on every tensor-parallel rank.
-    """
-
-    full_shape: tuple[int, ...]
-    dim: int | None = None
-    segments: tuple[int, ...] | None = None
-    rank: int = 0
-    size: int = 1
-
-    def shard(self, full: torch.Tensor) -> torch.Tensor:
-        if self.dim is None or self.size == 1:
-            return full
-        segments = self.segments or (full.shape[self.dim],)
-        pieces = []
-        for block in torch.split(full, list(segments), dim=self.dim):
-            pieces.append(torch.tensor_split(block, self.size, dim=self.dim)[self.rank])
-        return torch.cat(pieces, dim=self.dim)
+SEQUENCE_DIM = 1
 
 
-def _set_spec(param: nn.Parameter, spec: ShardSpec, init_std: float | None) -> None:
-    param.shard_spec = spec
-    param.init_std = init_std  # None: zeros for biases, ones for norm weights
+# -- the conjugate collectives ---------------------------------------------------------
+
+def _identity(x, group):
+    return x
+
+
+def _all_reduce(x, group):
+    # In place: every call site passes a fresh activation or gradient no one else holds.
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _all_gather(x, group, dim):
+    size = dist.get_world_size(group)
+    x = x.movedim(dim, 0).contiguous()  # collectives concatenate along dim 0
+    out = x.new_empty((size * x.shape[0], *x.shape[1:]))
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+def _reduce_scatter(x, group, dim):
+    rank, size = rank_and_size(group)
+    if x.shape[dim] % size:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} does not split over {size} ranks")
+    x = x.movedim(dim, 0).contiguous()
+    out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
+    dist.reduce_scatter_tensor(out, x, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+def _split(x, group, dim):
+    rank, size = rank_and_size(group)
+    if x.shape[dim] % size:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} does not split over {size} ranks")
+    return x.chunk(size, dim=dim)[rank].contiguous()
+
+
+def _last(op):
+    return lambda x, group: op(x, group, -1)
+
+
+def _sequence(op):
+    return lambda x, group: op(x, group, SEQUENCE_DIM)
+
+
+class _Conjugate(torch.autograd.Function):
+    """`forward_op` in forward, `backward_op` on the gradient in backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, forward_op, backward_op):
+        ctx.group, ctx.backward_op = group, backward_op
+        return forward_op(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.backward_op(grad, ctx.group), None, None, None
+
+
+def _conjugate(forward_op, backward_op):
+    def region(x: torch.Tensor, group) -> torch.Tensor:
+        if group is None or dist.get_world_size(group) == 1:
+            return x
+        return _Conjugate.apply(x, group, forward_op, backward_op)
+    return region
+
+
+# Megatron's f and g: a replicated input enters a TP region / partial outputs leave it.
+copy_to_tp_region = _conjugate(_identity, _all_reduce)
+reduce_from_tp_region = _conjugate(_all_reduce, _identity)
+# The last (feature) dimension split over ranks, or gathered back.
+scatter_to_tp_region = _conjugate(_last(_split), _last(_all_gather))
+gather_from_tp_region = _conjugate(_last(_all_gather), _last(_split))
+# Sequence parallelism: the sequence dimension split over ranks.
+scatter_to_sequence_region = _conjugate(_sequence(_split), _sequence(_all_gather))
+gather_from_sequence_region = _conjugate(_sequence(_all_gather), _sequence(_reduce_scatter))
+reduce_scatter_to_sequence_region = _conjugate(_sequence(_reduce_scatter), _sequence(_all_gather))
+
+
+# -- layers ----------------------------------------------------------------------------
+
+def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp_group, *,
+                           sequence_parallel: bool = False) -> torch.Tensor:
+    """x W^T + b for a row-sharded W: the input enters the TP region (all-gathered along the
+    sequence under sequence parallelism), each rank computes its output features."""
+    x = gather_from_sequence_region(x, tp_group) if sequence_parallel else copy_to_tp_region(x, tp_group)
+    return F.linear(x, weight, bias)
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x W^T + b with W split by output rows over tensor-parallel ranks."""
+    """y = x W^T + b with W split by output rows over tensor-parallel ranks.
+
+    The output stays split along its last dimension unless `gather_output`. With
+    `sequence_parallel` the input is a sequence shard and is all-gathered first.
+    """
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, init_std: float,
-                 segments: tuple[int, ...] | None = None, tp_group=None):
+                 segments: tuple[int, ...] | None = None, splits: tuple[int, ...] | None = None,
+                 tp_group=None, gather_output: bool = False, sequence_parallel: bool = False):
         super().__init__()
-        self.tp_group = tp_group
-        rank, size = _rank_size(tp_group)
-        self.weight = nn.Parameter(torch.empty(out_features // size, in_features))
-        _set_spec(self.weight, ShardSpec((out_features, in_features), 0, segments, rank, size), init_std)
+        if gather_output and segments:
+            raise ValueError("gather_output would interleave the fused segments' pieces")
+        self.tp_group, self.gather_output, self.sequence_parallel = tp_group, gather_output, sequence_parallel
+        rank, size = rank_and_size(tp_group)
+        spec = ShardSpec((out_features, in_features), 0, segments, rank, size, splits)
+        local_out = sum(p.length for p in spec.pieces())
+        self.weight = annotate(nn.Parameter(torch.empty(local_out, in_features)), spec, init_std=init_std)
         if bias:
-            self.bias = nn.Parameter(torch.empty(out_features // size))
-            _set_spec(self.bias, ShardSpec((out_features,), 0, segments, rank, size), None)
+            bias_spec = ShardSpec((out_features,), 0, segments, rank, size, splits)
+            self.bias = annotate(nn.Parameter(torch.empty(local_out)), bias_spec)
         else:
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        weight = sum_replica_grads(self.weight, self.tp_group)
+        bias = None if self.bias is None else sum_replica_grads(self.bias, self.tp_group)
+        y = column_parallel_linear(x, weight, bias, self.tp_group, sequence_parallel=self.sequence_parallel)
+        return gather_from_tp_region(y, self.tp_group) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):
-    """y = x W^T + b with W split by input columns; partial sums reduced over ranks."""
+    """y = x W^T + b with W split by input columns; partial sums are reduced over ranks.
 
-    def __init__(self, in_features: int, out_features: int, *, bias: bool, init_std: float, tp_group=None):
+    The input is split along its last dimension (`input_is_parallel`, the output of a
+    ColumnParallelLinear) or is split here. The sum is an all-reduce, or with
+    `sequence_parallel` a reduce-scatter to sequence shards. The bias is added once,
+    after the reduction.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, init_std: float, tp_group=None,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False):
         super().__init__()
-        self.tp_group = tp_group
-        rank, size = _rank_size(tp_group)
-        self.weight = nn.Parameter(torch.empty(out_features, in_features // size))
-        _set_spec(self.weight, ShardSpec((out_features, in_features), 1, None, rank, size), init_std)
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("sequence_parallel needs input_is_parallel")
+        self.tp_group, self.input_is_parallel, self.sequence_parallel = tp_group, input_is_parallel, sequence_parallel
+        rank, size = rank_and_size(tp_group)
+        if in_features % size:
+            raise ValueError(f"{in_features} input features do not split over {size} tensor-parallel ranks")
+        spec = ShardSpec((out_features, in_features), 1, None, rank, size)
+        self.weight = annotate(nn.Parameter(torch.empty(out_features, in_features // size)), spec, init_std=init_std)
         if bias:
-            self.bias = nn.Parameter(torch.empty(out_features))
-            _set_spec(self.bias, ShardSpec((out_features,)), None)
+            # Replicated; under sequence parallelism each rank adds it to its own tokens only.
+            self.bias = annotate(nn.Parameter(torch.empty(out_features)), ShardSpec((out_features,), None, None, rank, size),
+                                 sequence_parallel=sequence_parallel)
         else:
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if not self.input_is_parallel:
+            x = scatter_to_tp_region(x, self.tp_group)
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_region(y, self.tp_group)
+        else:
+            y = reduce_from_tp_region(y, self.tp_group)
+        return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Token embedding with the vocabulary split over tensor-parallel ranks."""
+    """Token embedding with the vocabulary rows split over tensor-parallel ranks.
 
-    def __init__(self, vocab_size: int, hidden_size: int, *, init_std: float, tp_group=None):
+    Each rank looks up the ids in its range and zeros the rest; the sum over ranks is the
+    embedding (an all-reduce, or with `sequence_parallel` a reduce-scatter to sequence shards).
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, *, init_std: float, tp_group=None,
+                 sequence_parallel: bool = False):
         super().__init__()
-        self.tp_group = tp_group
-        rank, size = _rank_size(tp_group)
-        self.weight = nn.Parameter(torch.empty(vocab_size // size, hidden_size))
-        _set_spec(self.weight, ShardSpec((vocab_size, hidden_size), 0, None, rank, size), init_std)
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        rank, size = rank_and_size(tp_group)
+        if vocab_size % size:
+            raise ValueError(f"vocabulary of {vocab_size} does not split over {size} tensor-parallel ranks")
+        self.vocab_start, self.local_vocab = rank * (vocab_size // size), vocab_size // size
+        spec = ShardSpec((vocab_size, hidden_size), 0, None, rank, size)
+        self.weight = annotate(nn.Parameter(torch.empty(self.local_vocab, hidden_size)), spec, init_std=init_std)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if self.tp_group is None:
+            return F.embedding(input_ids, self.weight)
+        local_ids = input_ids - self.vocab_start
+        outside = (local_ids < 0) | (local_ids >= self.local_vocab)
+        hidden = F.embedding(local_ids.masked_fill(outside, 0), self.weight)
+        hidden = hidden.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_region(hidden, self.tp_group)
+        return reduce_from_tp_region(hidden, self.tp_group)
+
+
+# -- the loss --------------------------------------------------------------------------
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, group):
+        rank, _ = rank_and_size(group)
+        local_vocab = logits.shape[-1]
+        # Subtracting the global max keeps exp() in range; it cancels in the loss and its gradient.
+        logits_max = logits.max(dim=-1).values.float()
+        if group is not None:
+            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits.float() - logits_max.unsqueeze(-1)  # a fresh fp32 tensor, reused below
+        local_labels = labels - rank * local_vocab
+        outside = (local_labels < 0) | (local_labels >= local_vocab)
+        local_labels = local_labels.masked_fill(outside, 0)
+        target = shifted.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        sum_exp = shifted.exp_().sum(dim=-1)
+        if group is not None:
+            # One all-reduce for both sums: each is the sum of its per-rank parts.
+            both = torch.stack([target, sum_exp])
+            dist.all_reduce(both, group=group)
+            target, sum_exp = both.unbind(0)
+        softmax = shifted.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_labels, outside)
+        ctx.logits_dtype = logits.dtype
+        return sum_exp.log() - target
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        # d loss / d logit = softmax - one_hot(label), written into the saved softmax
+        # (no second vocabulary-sized buffer; backward runs once).
+        softmax, local_labels, outside = ctx.saved_tensors
+        grad = softmax
+        grad.scatter_add_(-1, local_labels.unsqueeze(-1), -(~outside).unsqueeze(-1).to(grad.dtype))
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, tp_group=None) -> torch.Tensor:
-    """Per-token cross-entropy [b, s] of (vocab-sharded) logits [b, s, v], computed in fp32."""
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
+    """Per-token cross-entropy [b, s] (fp32) of logits [b, s, v / TP] split over the vocabulary.
 
-
-def _rank_size(group) -> tuple[int, int]:
-    if group is None:
-        return 0, 1
-    return torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+    No rank ever holds the full logits: the max, the sum of exponentials and the target
+    logit are each reduced over the TP group. `labels` are ids in the full vocabulary.
+    """
+    if tp_group is not None and dist.get_world_size(tp_group) == 1:
+        tp_group = None
+    return _VocabParallelCrossEntropy.apply(logits, labels, tp_group)
