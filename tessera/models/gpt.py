@@ -3,9 +3,14 @@
 One class covers GPT-2/3 (learned positions, LayerNorm, GeLU, biases, tied output
 layer) and LLaMA/Qwen/Mistral (RoPE, RMSNorm, SwiGLU, GQA, no biases, untied output).
 
-    model = GPTModel(config)
-    logits = model(input_ids)                 # [batch, seq, padded vocab]
-    loss = model(input_ids, labels=labels)    # per-token loss [batch, seq], fp32
+    model = GPTModel(config, tp_group=mesh.tp_group, sequence_parallel=True)
+    logits = model(input_ids)                 # [batch, seq, padded vocab], on every TP rank
+    loss = model(input_ids, labels=labels)    # per-token loss [batch, seq], fp32, on every TP rank
+
+With tensor parallelism the vocabulary is split too: the loss is computed from each
+rank's slice of the logits, which are gathered only when the caller asks for logits.
+With sequence parallelism the embedding reduce-scatters to sequence shards, the blocks
+keep them, and the head all-gathers the sequence before the output layer.
 """
 
 from __future__ import annotations
@@ -14,13 +19,16 @@ import zlib
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from tessera.config import ModelConfig
+from tessera.config import ConfigError, ModelConfig
 from tessera.models.transformer import RotaryEmbedding, TransformerBlock, build_norm
-from tessera.parallel.tensor import ShardSpec, VocabParallelEmbedding, vocab_parallel_cross_entropy
+from tessera.parallel.random import DropoutRNG, checkpoint, dropout
+from tessera.parallel.sharding import ShardSpec, annotate, rank_and_size
+from tessera.parallel.tensor import (
+    VocabParallelEmbedding, column_parallel_linear, gather_from_tp_region, scatter_to_sequence_region,
+    vocab_parallel_cross_entropy,
+)
 
 
 @dataclass(frozen=True)
@@ -33,63 +41,84 @@ class Recompute:
 
 
 class GPTModel(nn.Module):
-    def __init__(self, config: ModelConfig, *, tp_group=None, recompute: Recompute = Recompute()):
+    def __init__(self, config: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
+                 recompute: Recompute = Recompute()):
         super().__init__()
         self.config = config
         self.recompute = recompute
         self.tp_group = tp_group
-        tp_size = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
-        self.vocab_size = config.padded_vocab_size(tp_size)
+        tp_rank, self.tp_size = rank_and_size(tp_group)
+        self.sequence_parallel = sp = sequence_parallel and self.tp_size > 1
+        self.vocab_size = config.padded_vocab_size(self.tp_size)
+        # Dropout on tensor-parallel shards draws from a per-rank stream seeded from the
+        # default generator's seed (torch.manual_seed before building the model).
+        self.dropout_rng = DropoutRNG(torch.initial_seed(), tp_rank)
         std = config.init_method_std
-        self.embedding = VocabParallelEmbedding(self.vocab_size, config.hidden_size, init_std=std, tp_group=tp_group)
+        self.embedding = VocabParallelEmbedding(self.vocab_size, config.hidden_size, init_std=std,
+                                                tp_group=tp_group, sequence_parallel=sp)
         if config.position_embedding_type == "learned_absolute":
             self.position_embedding = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-            self.position_embedding.weight.shard_spec = ShardSpec(tuple(self.position_embedding.weight.shape))
-            self.position_embedding.weight.init_std = std
+            weight = self.position_embedding.weight
+            annotate(weight, ShardSpec(tuple(weight.shape), None, None, tp_rank, self.tp_size), init_std=std,
+                     sequence_parallel=sp)
         else:
             self.position_embedding = None
         self.rotary = (RotaryEmbedding(config.rotary_dim, config.rotary_base, config.max_position_embeddings)
                        if config.position_embedding_type == "rope" else None)
         selective = recompute.granularity == "selective"
         self.layers = nn.ModuleList(
-            TransformerBlock(config, tp_group, recompute_core=selective) for _ in range(config.num_layers)
+            TransformerBlock(config, tp_group=tp_group, sequence_parallel=sp, rng=self.dropout_rng,
+                             recompute_core=selective)
+            for _ in range(config.num_layers)
         )
-        self.final_norm = build_norm(config)
+        self.final_norm = build_norm(config, tp_group, sp)
         if config.tie_embeddings:
             self.output_weight = None
         else:
-            self.output_weight = VocabParallelEmbedding(self.vocab_size, config.hidden_size,
-                                                        init_std=std, tp_group=tp_group).weight
+            spec = ShardSpec((self.vocab_size, config.hidden_size), 0, None, tp_rank, self.tp_size)
+            self.output_weight = annotate(
+                nn.Parameter(torch.empty(self.vocab_size // self.tp_size, config.hidden_size)), spec, init_std=std)
+        # Full recompute must replay the per-rank stream when a recomputed layer draws from it.
+        uses_rng = config.attention_dropout > 0 or (sp and config.hidden_dropout > 0)
+        self._recompute_rng = self.dropout_rng if uses_rng else None
 
     # -- the three stages of the forward pass (a pipeline stage runs a subset) ---------
 
     def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Token (+ position) embeddings [b, s, h]; under SP this rank's sequence shard [b, s / TP, h]."""
+        if self.sequence_parallel and input_ids.shape[1] % self.tp_size:
+            raise ConfigError(f"sequence length ({input_ids.shape[1]}) must be divisible by "
+                              f"--tensor-model-parallel-size ({self.tp_size}) under --sequence-parallel")
         hidden = self.embedding(input_ids)
         if self.position_embedding is not None:
             positions = position_ids if position_ids is not None else torch.arange(
-                input_ids.shape[1], device=input_ids.device)
+                input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+            if self.sequence_parallel:
+                positions = scatter_to_sequence_region(positions, self.tp_group)
             hidden = hidden + self.position_embedding(positions)
-        p = self.config.hidden_dropout
-        return F.dropout(hidden, p, self.training) if p > 0 else hidden
+        return dropout(hidden, self.config.hidden_dropout, self.training,
+                       self.dropout_rng if self.sequence_parallel else None)
 
     def run_layers(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
                    attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        rope = self.rotary(hidden.shape[1], position_ids) if self.rotary is not None else None
+        seq_length = hidden.shape[1] * (self.tp_size if self.sequence_parallel else 1)
+        rope = self.rotary(seq_length, position_ids) if self.rotary is not None else None
         layers = list(self.layers)
         for start, end, recomputed in self._layer_chunks(len(layers)):
             def run(h, chunk=layers[start:end]):
                 for layer in chunk:
                     h = layer(h, rope, attention_mask)
                 return h
-            hidden = checkpoint(run, hidden, use_reentrant=False) if recomputed and self.training else run(hidden)
+            hidden = checkpoint(run, hidden, rng=self._recompute_rng) if recomputed and self.training else run(hidden)
         return hidden
 
     def head(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [b, s, v], or the fp32 per-token loss [b, s] when labels are given."""
         weight = self.embedding.weight if self.output_weight is None else self.output_weight
-        logits = F.linear(self.final_norm(hidden), weight)
+        logits = column_parallel_linear(self.final_norm(hidden), weight, None, self.tp_group,
+                                        sequence_parallel=self.sequence_parallel)  # this rank's vocabulary slice
         if labels is None:
-            return logits
+            return gather_from_tp_region(logits, self.tp_group)
         return vocab_parallel_cross_entropy(logits, labels, self.tp_group)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,

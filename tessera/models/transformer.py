@@ -1,31 +1,37 @@
 """The transformer block: normalization, attention (SDPA, RoPE, GQA) and MLP (GeLU or SwiGLU).
 
 Activations are [batch, seq, hidden]. Linear layers come from tessera.parallel.tensor,
-so the same code runs unsplit (TP=1) or split over tensor-parallel ranks.
+so the same code runs unsplit (TP=1) or split over tensor-parallel ranks: attention
+heads and KV groups (replicated when there are fewer groups than ranks) and the MLP's
+inner features are split; the block's input and output are whole, or with sequence
+parallelism split along the sequence, and so are the norms and the residual dropout.
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from tessera.config import ModelConfig
-from tessera.parallel.tensor import ColumnParallelLinear, RowParallelLinear, ShardSpec
+from tessera.config import ConfigError, ModelConfig
+from tessera.parallel.random import DropoutRNG, checkpoint, dropout
+from tessera.parallel.sharding import ShardSpec, annotate, rank_and_size
+from tessera.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 
-def build_norm(config: ModelConfig) -> nn.Module:
+def build_norm(config: ModelConfig, tp_group=None, sequence_parallel: bool = False) -> nn.Module:
+    """LayerNorm or RMSNorm, replicated on every TP rank (on sequence shards under SP)."""
     if config.normalization == "RMSNorm":
         norm = nn.RMSNorm(config.hidden_size, eps=config.norm_epsilon)
     else:
         norm = nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon, bias=True)
+    rank, size = rank_and_size(tp_group)
     for name, param in norm.named_parameters():
-        param.shard_spec = ShardSpec(tuple(param.shape))
-        param.init_std = None
-        param.init_value = 1.0 if name == "weight" else 0.0
+        annotate(param, ShardSpec(tuple(param.shape), None, None, rank, size),
+                 init_value=1.0 if name == "weight" else 0.0, sequence_parallel=sequence_parallel)
     return norm
 
 
@@ -61,35 +67,46 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class Attention(nn.Module):
     """Causal self-attention with fused QKV projection, GQA/MQA and SDPA kernels."""
 
-    def __init__(self, config: ModelConfig, output_std: float, tp_group=None, recompute_core: bool = False):
+    def __init__(self, config: ModelConfig, output_std: float, *, tp_group=None, sequence_parallel: bool = False,
+                 rng: DropoutRNG | None = None, recompute_core: bool = False):
         super().__init__()
-        tp_size = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
+        _, tp_size = rank_and_size(tp_group)
+        heads, groups = config.num_attention_heads, config.num_query_groups
+        if heads % tp_size or (groups % tp_size and tp_size % groups):
+            raise ConfigError(f"--num-attention-heads ({heads}) must be divisible by --tensor-model-parallel-size "
+                              f"({tp_size}), and --num-query-groups ({groups}) must divide or be divisible by it")
         self.head_dim = config.kv_channels
-        self.num_heads = config.num_attention_heads // tp_size
-        self.num_groups = max(config.num_query_groups // tp_size, 1)
+        self.num_heads = heads // tp_size
+        self.num_groups = max(groups // tp_size, 1)  # one replicated group when groups < TP ranks
         self.dropout = config.attention_dropout
+        self.rng = rng  # attention probabilities of this rank's heads: a dropout mask of their own
         self.recompute_core = recompute_core
-        q, kv = config.num_attention_heads * self.head_dim, config.num_query_groups * self.head_dim
+        q, kv = heads * self.head_dim, groups * self.head_dim
+        kv_splits = min(groups, tp_size)
         self.qkv = ColumnParallelLinear(
             config.hidden_size, q + 2 * kv, bias=config.add_bias_linear or config.add_qkv_bias,
-            init_std=config.init_method_std, segments=(q, kv, kv), tp_group=tp_group,
+            init_std=config.init_method_std, segments=(q, kv, kv), splits=(tp_size, kv_splits, kv_splits),
+            tp_group=tp_group, sequence_parallel=sequence_parallel,
         )
-        self.proj = RowParallelLinear(q, config.hidden_size, bias=config.add_bias_linear,
-                                      init_std=output_std, tp_group=tp_group)
+        self.proj = RowParallelLinear(q, config.hidden_size, bias=config.add_bias_linear, init_std=output_std,
+                                      tp_group=tp_group, sequence_parallel=sequence_parallel)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              attention_mask: torch.Tensor | None) -> torch.Tensor:
         """softmax(q k^T / sqrt(d)) v on [b, heads, s, d]; causal unless a mask is given."""
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attention_mask, is_causal=attention_mask is None,
-            dropout_p=self.dropout if self.training else 0.0, enable_gqa=self.num_groups != self.num_heads,
-        )
+        dropout_p = self.dropout if self.training else 0.0
+        with self.rng.fork(q.device) if dropout_p > 0 and self.rng is not None else nullcontext():
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attention_mask, is_causal=attention_mask is None,
+                dropout_p=dropout_p, enable_gqa=self.num_groups != self.num_heads,
+            )
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        batch, seq, _ = x.shape
+        qkv = self.qkv(x)  # whole sequence, this rank's heads (under SP, x is a sequence shard)
+        batch, seq, _ = qkv.shape
         d = self.head_dim
-        q, k, v = self.qkv(x).split([self.num_heads * d, self.num_groups * d, self.num_groups * d], dim=-1)
+        q, k, v = qkv.split([self.num_heads * d, self.num_groups * d, self.num_groups * d], dim=-1)
         q, k, v = (t.view(batch, seq, -1, d) for t in (q, k, v))
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
@@ -97,7 +114,7 @@ class Attention(nn.Module):
         if attention_mask is not None:
             attention_mask = attention_mask[:, None]  # [b, 1, s, s]: same mask for every head
         if self.recompute_core and self.training:
-            out = checkpoint(self.core, q, k, v, attention_mask, use_reentrant=False)
+            out = checkpoint(self.core, q, k, v, attention_mask, rng=self.rng if self.dropout > 0 else None)
         else:
             out = self.core(q, k, v, attention_mask)
         return self.proj(out.transpose(1, 2).reshape(batch, seq, -1))
@@ -106,15 +123,19 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """Feed-forward block: GeLU, or SwiGLU with gate and up projections fused in one GEMM."""
 
-    def __init__(self, config: ModelConfig, output_std: float, tp_group=None):
+    def __init__(self, config: ModelConfig, output_std: float, *, tp_group=None, sequence_parallel: bool = False):
         super().__init__()
         ffn, self.swiglu = config.ffn_hidden_size, config.swiglu
+        _, tp_size = rank_and_size(tp_group)
+        if ffn % tp_size:
+            raise ConfigError(f"--ffn-hidden-size ({ffn}) must be divisible by --tensor-model-parallel-size ({tp_size})")
         self.fc1 = ColumnParallelLinear(
             config.hidden_size, 2 * ffn if self.swiglu else ffn, bias=config.add_bias_linear,
-            init_std=config.init_method_std, segments=(ffn, ffn) if self.swiglu else None, tp_group=tp_group,
+            init_std=config.init_method_std, segments=(ffn, ffn) if self.swiglu else None,
+            tp_group=tp_group, sequence_parallel=sequence_parallel,
         )
-        self.fc2 = RowParallelLinear(ffn, config.hidden_size, bias=config.add_bias_linear,
-                                     init_std=output_std, tp_group=tp_group)
+        self.fc2 = RowParallelLinear(ffn, config.hidden_size, bias=config.add_bias_linear, init_std=output_std,
+                                     tp_group=tp_group, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = self.fc1(x)
@@ -129,16 +150,21 @@ class MLP(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + attention(norm(x)), then x + mlp(norm(x)), with dropout on each branch."""
 
-    def __init__(self, config: ModelConfig, tp_group=None, recompute_core: bool = False):
+    def __init__(self, config: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
+                 rng: DropoutRNG | None = None, recompute_core: bool = False):
         super().__init__()
         # Output projections are scaled by 1/sqrt(2 * layers) so the residual stream's
         # variance does not grow with depth (GPT-2, Megatron).
         output_std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
-        self.input_norm = build_norm(config)
-        self.attention = Attention(config, output_std, tp_group, recompute_core)
-        self.post_attention_norm = build_norm(config)
-        self.mlp = MLP(config, output_std, tp_group)
+        self.input_norm = build_norm(config, tp_group, sequence_parallel)
+        self.attention = Attention(config, output_std, tp_group=tp_group, sequence_parallel=sequence_parallel,
+                                   rng=rng, recompute_core=recompute_core)
+        self.post_attention_norm = build_norm(config, tp_group, sequence_parallel)
+        self.mlp = MLP(config, output_std, tp_group=tp_group, sequence_parallel=sequence_parallel)
         self.hidden_dropout = config.hidden_dropout
+        # The residual stream is replicated over TP ranks (same mask: default generator)
+        # or, under SP, split along the sequence (each rank's own mask).
+        self.hidden_rng = rng if sequence_parallel else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -146,5 +172,4 @@ class TransformerBlock(nn.Module):
         return x + self._dropout(self.mlp(self.post_attention_norm(x)))
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
-        # Skipped outright at p=0: a no-op dropout still costs a kernel in training mode.
-        return F.dropout(x, self.hidden_dropout, self.training) if self.hidden_dropout > 0 else x
+        return dropout(x, self.hidden_dropout, self.training, self.hidden_rng)
