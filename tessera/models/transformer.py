@@ -128,7 +128,8 @@ class MLP(nn.Module):
         ffn, self.swiglu = config.ffn_hidden_size, config.swiglu
         _, tp_size = rank_and_size(tp_group)
         if ffn % tp_size:
-            raise ConfigError(f"--ffn-hidden-size ({ffn}) must be divisible by --tensor-model-parallel-size ({tp_size})")
+            raise ConfigError(f"--ffn-hidden-size ({ffn}) must be divisible by "
+                              f"--tensor-model-parallel-size ({tp_size})")
         self.fc1 = ColumnParallelLinear(
             config.hidden_size, 2 * ffn if self.swiglu else ffn, bias=config.add_bias_linear,
             init_std=config.init_method_std, segments=(ffn, ffn) if self.swiglu else None,

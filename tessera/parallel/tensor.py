@@ -171,7 +171,8 @@ class RowParallelLinear(nn.Module):
         self.weight = annotate(nn.Parameter(torch.empty(out_features, in_features // size)), spec, init_std=init_std)
         if bias:
             # Replicated; under sequence parallelism each rank adds it to its own tokens only.
-            self.bias = annotate(nn.Parameter(torch.empty(out_features)), ShardSpec((out_features,), None, None, rank, size),
+            bias_spec = ShardSpec((out_features,), None, None, rank, size)
+            self.bias = annotate(nn.Parameter(torch.empty(out_features)), bias_spec,
                                  sequence_parallel=sequence_parallel)
         else:
             self.register_parameter("bias", None)
