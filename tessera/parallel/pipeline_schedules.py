@@ -1,0 +1,204 @@
+"""Pipeline schedules as data: for every pipeline rank, the ordered list of its actions.
+
+An action is a forward or backward pass of one micro-batch through one model chunk, or
+a send / receive of an activation or its gradient to a neighbouring rank. One runner
+(tessera.parallel.pipeline) executes any list; a new schedule is a new generator here,
+and a list can be printed (`tessera train ... --print-schedule`) and checked without a
+model (tessera.parallel.pipeline_simulation).
+
+With virtual stages (interleaving) each rank holds `vp_size` chunks: chunk c of rank r
+is virtual stage c * pp_size + r, so activations leave the last rank for rank 0 when
+they move from one chunk to the next.
+
+Generators first order the compute actions, then `_with_communication` inserts the
+transfers: a receive right before the compute that needs it, a send right after the
+compute that produced it. The runner posts every run of consecutive transfers as one
+batch (send-after-forward together with receive-before-backward, as Megatron pairs
+them), and `build_schedule` simulates the result to prove it matches and cannot
+deadlock before anything runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+from tessera.config import ConfigError
+
+FORWARD, BACKWARD = "F", "B"
+SEND_ACTIVATION, RECV_ACTIVATION, SEND_GRAD, RECV_GRAD = "send_act", "recv_act", "send_grad", "recv_grad"
+SCHEDULES = ("1f1b", "gpipe")  # interleaved 1F1B is 1f1b with vp_size > 1
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str            # FORWARD, BACKWARD, or one of the four transfers
+    micro_batch: int
+    chunk: int           # the local model chunk the compute (or the transferred tensor) belongs to
+    peer: int | None = None  # pipeline rank at the other end of a transfer
+
+    @property
+    def is_compute(self) -> bool:
+        return self.kind in (FORWARD, BACKWARD)
+
+    def __str__(self) -> str:
+        if self.is_compute:
+            return f"{self.kind}{self.micro_batch}" + (f".{self.chunk}" if self.chunk else "")
+        arrow = "->" if self.kind.startswith("send") else "<-"
+        return f"{self.kind}{self.micro_batch}.{self.chunk}{arrow}{self.peer}"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    name: str
+    pp_size: int
+    vp_size: int
+    num_micro_batches: int
+    forward_only: bool
+    ranks: tuple[tuple[Action, ...], ...]   # ranks[pp_rank]: that rank's actions in order
+
+    def steps(self, pp_rank: int) -> Iterator[Action | list[Action]]:
+        """The actions of a rank as the runner executes them: a compute action, or a list
+        of consecutive transfers posted together as one batch."""
+        batch: list[Action] = []
+        for action in self.ranks[pp_rank]:
+            if action.is_compute:
+                if batch:
+                    yield batch
+                    batch = []
+                yield action
+            else:
+                batch.append(action)
+        if batch:
+            yield batch
+
+    def last_backwards(self, pp_rank: int) -> set[tuple[int, int]]:
+        """(micro_batch, chunk) of the last backward of each chunk on a rank: where the
+        data-parallel gradient reduction of that chunk may start."""
+        last = {a.chunk: a.micro_batch for a in self.ranks[pp_rank] if a.kind == BACKWARD}
+        return {(mb, chunk) for chunk, mb in last.items()}
+
+    def theoretical_bubble(self) -> float:
+        """Idle fraction of an ideal pipeline: (p - 1) / (v * m + p - 1)."""
+        p, v, m = self.pp_size, self.vp_size, self.num_micro_batches
+        return (p - 1) / (v * m + p - 1)
+
+    def format(self) -> str:
+        title = (f"{self.name} schedule: {self.pp_size} pipeline ranks x {self.vp_size} chunks, "
+                 f"{self.num_micro_batches} micro-batches; theoretical bubble {self.theoretical_bubble():.1%}")
+        lines = [title, "  F<mb>.<chunk> forward, B backward, [..] transfers posted together"]
+        for rank in range(self.pp_size):
+            parts = [str(s) if isinstance(s, Action) else "[" + " ".join(map(str, s)) + "]"
+                     for s in self.steps(rank)]
+            lines.append(f"rank {rank}: " + " ".join(parts))
+        return "\n".join(lines)
+
+
+def build_schedule(name: str, pp_size: int, num_micro_batches: int, vp_size: int = 1, *,
+                   forward_only: bool = False) -> Schedule:
+    """The schedule `name` ('1f1b' or 'gpipe'; '1f1b' interleaves when vp_size > 1),
+    checked by simulation: transfers match across ranks and nothing deadlocks."""
+    from tessera.parallel.pipeline_simulation import simulate  # the checker builds on this module
+
+    if name not in SCHEDULES:
+        raise ConfigError(f"--pipeline-schedule {name}: choose one of {', '.join(SCHEDULES)}")
+    if pp_size < 1 or num_micro_batches < 1 or vp_size < 1:
+        raise ConfigError("pipeline sizes and the number of micro-batches must be positive")
+    if vp_size > 1:
+        if name != "1f1b":
+            raise ConfigError("virtual pipeline stages (--virtual-pipeline-model-parallel-size) need "
+                              "--pipeline-schedule 1f1b (interleaved)")
+        order = _interleaved(pp_size, vp_size, num_micro_batches, forward_only)
+        name = "interleaved-1f1b"
+    elif name == "gpipe" or forward_only:
+        order = _gpipe(pp_size, num_micro_batches, forward_only)
+    else:
+        order = _one_forward_one_backward(pp_size, num_micro_batches)
+    ranks = tuple(tuple(_with_communication(compute, rank, pp_size, vp_size)) for rank, compute in enumerate(order))
+    schedule = Schedule(name, pp_size, vp_size, num_micro_batches, forward_only, ranks)
+    simulate(schedule)  # raises on a mismatch or deadlock
+    return schedule
+
+
+# -- compute orders: per rank, a list of units (one compute, or a forward-backward pair) --
+
+def _gpipe(pp_size: int, num_micro_batches: int, forward_only: bool) -> list[list[list[Action]]]:
+    """All forwards, then all backwards: every micro-batch's activations alive at once."""
+    forwards = [[Action(FORWARD, mb, 0)] for mb in range(num_micro_batches)]
+    backwards = [] if forward_only else [[Action(BACKWARD, mb, 0)] for mb in range(num_micro_batches)]
+    return [forwards + backwards for _ in range(pp_size)]
+
+
+def _one_forward_one_backward(pp_size: int, num_micro_batches: int) -> list[list[list[Action]]]:
+    """1F1B (PipeDream-Flush): rank r runs p - r - 1 warm-up forwards, then alternates one
+    forward and one backward, so at most p - r micro-batches are alive on it."""
+    order = []
+    for rank in range(pp_size):
+        warmup = min(pp_size - rank - 1, num_micro_batches)
+        units = [[Action(FORWARD, mb, 0)] for mb in range(warmup)]
+        for mb in range(num_micro_batches - warmup):
+            units += [[Action(FORWARD, warmup + mb, 0)], [Action(BACKWARD, mb, 0)]]
+        units += [[Action(BACKWARD, mb, 0)] for mb in range(num_micro_batches - warmup, num_micro_batches)]
+        order.append(units)
+    return order
+
+
+def _interleaved(pp_size: int, vp_size: int, num_micro_batches: int, forward_only: bool) -> list[list[Action]]:
+    """Interleaved 1F1B (Narayanan et al. 2021, Megatron-Core's order).
+
+    Micro-batches go through the chunks in groups of pp_size: forward order is group 0
+    through chunk 0, group 0 through chunk 1, ..., then group 1. Backward follows the
+    same order with the chunks reversed. Rank r warms up with 2 (p - r - 1) + (v - 1) p
+    forwards; then each unit is a forward and a backward whose four transfers are posted
+    together after it (Megatron's send_forward_backward_recv_forward_backward).
+
+    num_micro_batches must be a multiple of pp_size, the constraint of the paper and of
+    Megatron-LM: with a short last group this transfer pairing deadlocks (the simulator
+    finds it, e.g. p=4, v=2, m=6), and Megatron-Core's relaxation needs extra cases.
+    """
+    if num_micro_batches % pp_size:
+        raise ConfigError(
+            f"the interleaved schedule needs the number of micro-batches per step ({num_micro_batches} = global "
+            f"batch / (micro batch x data-parallel size)) to be a multiple of --pipeline-model-parallel-size "
+            f"({pp_size})")
+    groups = [range(start, start + pp_size) for start in range(0, num_micro_batches, pp_size)]
+    forward_order = [(mb, chunk) for group in groups for chunk in range(vp_size) for mb in group]
+    backward_order = [(mb, vp_size - 1 - chunk) for mb, chunk in forward_order]
+    total = len(forward_order)
+    order = []
+    for rank in range(pp_size):
+        if forward_only:
+            order.append([[Action(FORWARD, mb, chunk)] for mb, chunk in forward_order])
+            continue
+        warmup = min(2 * (pp_size - rank - 1) + (vp_size - 1) * pp_size, total)
+        units = [[Action(FORWARD, mb, chunk)] for mb, chunk in forward_order[:warmup]]
+        for (fmb, fchunk), (bmb, bchunk) in zip(forward_order[warmup:], backward_order):
+            units.append([Action(FORWARD, fmb, fchunk), Action(BACKWARD, bmb, bchunk)])
+        units += [[Action(BACKWARD, mb, chunk)] for mb, chunk in backward_order[total - warmup:]]
+        order.append(units)
+    return order
+
+
+# -- transfers -----------------------------------------------------------------------------
+
+def _with_communication(units: list[list[Action]], rank: int, pp_size: int, vp_size: int) -> Iterator[Action]:
+    """Each unit's receives go right before it and its sends right after it; the first and
+    last virtual stages neither receive nor send across the pipeline's ends."""
+    last_stage = pp_size * vp_size - 1
+    previous, following = (rank - 1) % pp_size, (rank + 1) % pp_size
+    for unit in units:
+        sends = []
+        for action in unit:
+            stage, mb, chunk = action.chunk * pp_size + rank, action.micro_batch, action.chunk
+            if action.kind == FORWARD:
+                if stage > 0:
+                    yield Action(RECV_ACTIVATION, mb, chunk, previous)
+                if stage < last_stage:
+                    sends.append(Action(SEND_ACTIVATION, mb, chunk, following))
+            else:
+                if stage < last_stage:
+                    yield Action(RECV_GRAD, mb, chunk, following)
+                if stage > 0:
+                    sends.append(Action(SEND_GRAD, mb, chunk, previous))
+        yield from unit
+        yield from sends
