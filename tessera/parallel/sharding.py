@@ -163,9 +163,10 @@ class _SumReplicaGrads(torch.autograd.Function):
         return grad, None, None
 
 
-def sum_replica_grads(tensor: torch.Tensor, group) -> torch.Tensor:
-    """`tensor` (a parameter), with its replicated pieces' gradients summed over their replicas."""
-    spec = tensor.shard_spec
+def sum_replica_grads(tensor: torch.Tensor, spec: ShardSpec, group) -> torch.Tensor:
+    """`tensor` (a parameter cut by `spec`), with its replicated pieces' gradients summed
+    over their replicas. The spec is passed in rather than read from the parameter: FSDP2
+    runs forward on all-gathered parameter objects that carry no attributes."""
     if spec.replicated or all(p.replicas == 1 for p in spec.pieces()):
         return tensor
     return _SumReplicaGrads.apply(tensor, spec, group)

@@ -136,15 +136,15 @@ class ColumnParallelLinear(nn.Module):
         spec = ShardSpec((out_features, in_features), 0, segments, rank, size, splits)
         local_out = sum(p.length for p in spec.pieces())
         self.weight = annotate(nn.Parameter(torch.empty(local_out, in_features)), spec, init_std=init_std)
+        self.weight_spec, self.bias_spec = spec, ShardSpec((out_features,), 0, segments, rank, size, splits)
         if bias:
-            bias_spec = ShardSpec((out_features,), 0, segments, rank, size, splits)
-            self.bias = annotate(nn.Parameter(torch.empty(local_out)), bias_spec)
+            self.bias = annotate(nn.Parameter(torch.empty(local_out)), self.bias_spec)
         else:
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = sum_replica_grads(self.weight, self.tp_group)
-        bias = None if self.bias is None else sum_replica_grads(self.bias, self.tp_group)
+        weight = sum_replica_grads(self.weight, self.weight_spec, self.tp_group)
+        bias = None if self.bias is None else sum_replica_grads(self.bias, self.bias_spec, self.tp_group)
         y = column_parallel_linear(x, weight, bias, self.tp_group, sequence_parallel=self.sequence_parallel)
         return gather_from_tp_region(y, self.tp_group) if self.gather_output else y
 

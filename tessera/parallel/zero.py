@@ -34,7 +34,7 @@ class DistributedOptimizer:
         # the model copy never reaches the optimizer.
         self.params = torch.zeros(grads.data.numel(), dtype=param_dtype, device=device)
         decay, no_decay = [], []
-        self._masters: list[tuple[torch.Tensor, torch.Tensor, nn.Parameter]] = []  # (master, model view, param)
+        self._masters: list[tuple[torch.Tensor, torch.Tensor, nn.Parameter, int]] = []  # (master, model view, param, offset)
         for param, (start, end) in grads.ranges.items():
             with torch.no_grad():
                 self.params[start:end].copy_(param.detach().flatten())
@@ -47,7 +47,7 @@ class DistributedOptimizer:
                     if param_dtype != torch.float32 else model_view
                 master.grad = grads.data[lo:hi]
                 (no_decay if param.ndim == 1 else decay).append(master)
-                self._masters.append((master, model_view, param))
+                self._masters.append((master, model_view, param, lo - start))
         for param, (start, end) in grads.ranges.items():
             param.data = self.params[start:end].view_as(param)  # the model now reads the flat buffer
             if param_dtype != torch.float32:
@@ -74,24 +74,20 @@ class DistributedOptimizer:
         """Bytes of optimizer state on this rank: fp32 masters (if separate) and Adam moments."""
         moments = sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
                       for t in s.values() if torch.is_tensor(t) and t.ndim > 0)
-        masters = sum(m.numel() * 4 for m, v, _ in self._masters if m is not v)
+        masters = sum(m.numel() * 4 for m, v, _, _ in self._masters if m is not v)
         if not self.optimizer.state:  # before the first step: what the moments will take
-            moments = 2 * sum(m.numel() * 4 for m, _, _ in self._masters)
+            moments = 2 * sum(m.numel() * 4 for m, _, _, _ in self._masters)
         return moments + masters
 
-    def local_grads(self) -> list[torch.Tensor]:
-        """The reduced gradients this rank owns (each element of the model exactly once over DP)."""
-        return [master.grad for master, _, _ in self._masters]
-
-    def local_params(self) -> list[nn.Parameter]:
-        """The model parameter each of `local_grads()` belongs to."""
-        return [param for _, _, param in self._masters]
+    def local_grads_with_offsets(self) -> list[tuple[torch.Tensor, nn.Parameter, int]]:
+        """(reduced gradient slice this rank owns, its parameter, the slice's flat offset in it)."""
+        return [(master.grad, param, offset) for master, _, param, offset in self._masters]
 
     def step(self) -> None:
         """Step the owned slices (grad_scale/found_inf set by the caller), then share them."""
         self.optimizer.step()
         with torch.no_grad():
-            for master, model_view, _ in self._masters:
+            for master, model_view, _, _ in self._masters:
                 if master is not model_view:
                     model_view.copy_(master)
         self._start_gathers()

@@ -24,6 +24,7 @@ from torch import nn
 from tessera.config import OptimConfig, ParallelConfig
 from tessera.parallel.ddp import GradBuffer, default_bucket_size
 from tessera.parallel.mesh import Mesh
+from tessera.parallel.sharding import allreduce_sequence_parallel_grads
 from tessera.parallel.zero import DistributedOptimizer
 
 
@@ -33,11 +34,6 @@ def _adamw(params: list[torch.Tensor], optim: OptimConfig) -> torch.optim.AdamW:
     groups = [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=optim.lr, fused=True,
                              betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps)
-
-
-def _is_tp_replicated(param: nn.Parameter) -> bool:
-    spec = getattr(param, "shard_spec", None)
-    return spec is None or spec.dim is None or spec.size == 1
 
 
 class TrainingOptimizer:
@@ -64,28 +60,39 @@ class TrainingOptimizer:
             self.grads.set_last_micro_batch(last)
 
     def finish_grad_sync(self) -> None:
+        """Finish the data-parallel reduction, then sum sequence-parallel partial gradients
+        over TP (Megatron's order; both are sums, so only the data's location matters)."""
         if self.grads is not None:
             self.grads.finish()
+        main_grad = self.grads.view if self.grads is not None else lambda p: _local(p.grad)
+        allreduce_sequence_parallel_grads(self.model, self.mesh.tp_group, main_grad=main_grad)
 
-    def _grads_for_norm(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(grads sharded over TP, grads replicated over TP) that this rank holds."""
+    def _owned_grads(self) -> list[tuple[torch.Tensor, nn.Parameter, int | None]]:
+        """(gradient this rank holds, its parameter, flat offset of a slice or None if whole)."""
         if isinstance(self.inner, DistributedOptimizer):
-            owners = [(g, p) for g, p in zip(self.inner.local_grads(), self.inner.local_params())]
-        else:
-            owners = [(_local(p.grad), p) for p in self.model.parameters() if p.grad is not None]
-        sharded = [g for g, p in owners if not _is_tp_replicated(p)]
-        replicated = [g for g, p in owners if _is_tp_replicated(p)]
-        return sharded, replicated
+            return self.inner.local_grads_with_offsets()
+        return [(_local(p.grad), p, _fsdp_row_offset(p, self.mesh)) for p in self.model.parameters()
+                if p.grad is not None]
 
     @torch.no_grad()
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the (still loss-scaled) gradients; inf/nan on overflow."""
-        sharded, replicated = self._grads_for_norm()
+        plain, masked = [], []
+        for grad, param, offset in self._owned_grads():
+            spec = getattr(param, "shard_spec", None)
+            mask = spec.counted_mask() if spec is not None else None
+            if mask is None:
+                plain.append(grad)
+            elif mask.ndim == 0:          # replicated over TP: counted on TP rank 0 only
+                if mask.item():
+                    plain.append(grad)
+            else:                         # some blocks (KV heads) replicated: count one copy
+                # param.shape is this TP rank's whole shard, also for a DTensor or a slice.
+                mask = mask.expand(param.shape).flatten()[offset or 0:][:grad.numel()]
+                masked.append(grad.flatten() * mask.to(grad.device))
         squares = torch.zeros((), device=next(self.model.parameters()).device)
-        if sharded:
-            squares += _sum_of_squares(sharded)
-        if replicated and self.mesh.tp_rank == 0:
-            squares += _sum_of_squares(replicated)
+        if plain or masked:
+            squares += _sum_of_squares(plain + masked)
         for group in self._norm_groups:
             dist.all_reduce(squares, group=group)
         return squares.sqrt()
@@ -142,6 +149,16 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, parallel: ParallelConf
                                      overlap_param_gather=parallel.overlap_param_gather)
         return TrainingOptimizer(model, optim, mesh, grads=grads, inner=inner, dp_sharded=True)
     return TrainingOptimizer(model, optim, mesh, grads=grads, inner=_adamw(params, optim), dp_sharded=False)
+
+
+def _fsdp_row_offset(param: nn.Parameter, mesh: Mesh) -> int | None:
+    """Flat offset of this rank's FSDP2 shard in the TP shard (FSDP2 cuts dim 0 in
+    torch.chunk pieces), or None for a whole tensor."""
+    if not hasattr(param, "to_local"):
+        return None
+    rows = param.shape[0]
+    chunk = -(-rows // mesh.dp_size)
+    return min(mesh.dp_rank * chunk, rows) * (param.numel() // max(rows, 1))
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

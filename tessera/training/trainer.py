@@ -69,7 +69,8 @@ class Trainer:
         torch.manual_seed(train.seed)
         recompute = Recompute(train.recompute_granularity, train.recompute_method, train.recompute_num_layers)
         with torch.device(self.device):
-            self.model = GPTModel(config.model, tp_group=self.mesh.tp_group, recompute=recompute)
+            self.model = GPTModel(config.model, tp_group=self.mesh.tp_group,
+                                  sequence_parallel=parallel.sequence_parallel, recompute=recompute)
         initialize_parameters(self.model, train.seed)
         if train.compile if train.compile is not None else self.device.type == "cuda":
             self._compile()

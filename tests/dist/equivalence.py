@@ -26,11 +26,18 @@ BASE = ["--model", "tiny-llama", "--mock-data", "--lr", "3e-3", "--train-iters",
 
 
 def full_parameters(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """Every parameter as the full tensor, whatever the layout (DTensor shards are gathered)."""
+    """Every parameter as the full tensor, whatever the layout: DTensor (FSDP2) shards are
+    gathered over DP, tensor-parallel shards over TP and reassembled by their ShardSpec."""
     full = {}
+    tp_group = trainer.mesh.tp_group
     for name, param in trainer.model.named_parameters():
-        tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
-        full[name.replace("_orig_mod.", "")] = tensor.detach().float().clone()
+        tensor = (param.full_tensor() if hasattr(param, "full_tensor") else param).detach().float()
+        spec = param.shard_spec
+        if tp_group is not None and not spec.replicated:
+            shards = [torch.empty_like(tensor) for _ in range(trainer.mesh.tp_size)]
+            dist.all_gather(shards, tensor.contiguous(), group=tp_group)
+            tensor = spec.unshard(shards)
+        full[name] = tensor.clone()
     return full
 
 

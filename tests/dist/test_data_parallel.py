@@ -1,4 +1,5 @@
-"""Data parallelism, the distributed optimizer and FSDP2 against single-process training."""
+"""Data, tensor and sequence parallelism, the distributed optimizer and FSDP2, alone and
+combined, against single-process training."""
 
 import pytest
 
@@ -15,10 +16,17 @@ LAYOUTS = {
             ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
              "--ddp-bucket-size", "20000"],
         "FSDP2 DP=2": ["--use-torch-fsdp2"],
+        "TP=2": ["--tensor-model-parallel-size", "2"],
+        "TP=2 + SP": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     },
     4: {
         "DP=4 overlap": ["--overlap-grad-reduce", "--ddp-bucket-size", "30000"],
         "DP=4 distributed optimizer": ["--use-distributed-optimizer", "--overlap-grad-reduce"],
+        "TP=4 (2 KV groups replicated)": ["--tensor-model-parallel-size", "4"],
+        "TP=2 x DP=2": ["--tensor-model-parallel-size", "2", "--overlap-grad-reduce"],
+        "TP=2 + SP x DP=2 distributed optimizer": ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                                   "--use-distributed-optimizer", "--overlap-grad-reduce"],
+        "TP=2 x FSDP2 DP=2": ["--tensor-model-parallel-size", "2", "--use-torch-fsdp2"],
     },
 }
 
