@@ -262,6 +262,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, tp_
     No rank ever holds the full logits: the max, the sum of exponentials and the target
     logit are each reduced over the TP group. `labels` are ids in the full vocabulary.
     """
-    if tp_group is not None and dist.get_world_size(tp_group) == 1:
-        tp_group = None
+    if tp_group is None or dist.get_world_size(tp_group) == 1:
+        # Unsplit: PyTorch's own loss, which torch.compile fuses with the fp32 upcast (the
+        # autograd function below would materialise several fp32 copies of the logits).
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
     return _VocabParallelCrossEntropy.apply(logits, labels, tp_group)
