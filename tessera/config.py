@@ -153,6 +153,12 @@ class ParallelConfig:
     use_torch_fsdp2: bool = option(False, "shard parameters, gradients and optimizer state with PyTorch FSDP2 (ZeRO-3)")
     ddp_bucket_size: int | None = option(None, "elements per gradient bucket (default max(40M, 1M x DP))")
     accumulate_allreduce_grads_in_fp32: bool = option(False, "with --bf16, reduce gradients in fp32 (default: bf16 on the wire)")
+    virtual_pipeline_model_parallel_size: int | None = option(None, "model chunks per pipeline rank (interleaved 1F1B)")
+    num_layers_per_virtual_pipeline_stage: int | None = option(None, "layers per model chunk (interleaved 1F1B; instead of --virtual-pipeline-model-parallel-size)")
+    decoder_first_pipeline_num_layers: int | None = option(None, "layers on the first pipeline stage (the others split the rest evenly)")
+    decoder_last_pipeline_num_layers: int | None = option(None, "layers on the last pipeline stage (the others split the rest evenly)")
+    pipeline_schedule: str = option("1f1b", "pipeline schedule (1f1b interleaves with virtual stages)", ("1f1b", "gpipe"))
+    print_schedule: bool = option(False, "print every pipeline rank's schedule and exit")
 
     def __post_init__(self) -> None:
         _positive(self, "tensor_model_parallel_size", "pipeline_model_parallel_size",
@@ -161,6 +167,28 @@ class ParallelConfig:
                  "--use-distributed-optimizer and --use-torch-fsdp2 are exclusive (FSDP2 already shards the optimizer)")
         _require(not self.overlap_param_gather or self.use_distributed_optimizer,
                  "--overlap-param-gather needs --use-distributed-optimizer")
+        _positive(self, "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+                  "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+        _require(self.virtual_pipeline_model_parallel_size is None or self.num_layers_per_virtual_pipeline_stage is None,
+                 "give --virtual-pipeline-model-parallel-size or --num-layers-per-virtual-pipeline-stage, not both")
+        pipeline_flags = ("virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+                          "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+        for name in pipeline_flags:
+            _require(getattr(self, name) is None or self.pipeline_model_parallel_size > 1,
+                     f"{flag(name)} needs --pipeline-model-parallel-size > 1")
+        _require(not (self.use_torch_fsdp2 and self.pipeline_model_parallel_size > 1),
+                 "--use-torch-fsdp2 with --pipeline-model-parallel-size > 1 is not supported")
+
+    def virtual_pipeline_size(self, num_layers: int) -> int:
+        """Model chunks per pipeline rank (1 without interleaving)."""
+        per_chunk = self.num_layers_per_virtual_pipeline_stage
+        if per_chunk is None:
+            return self.virtual_pipeline_model_parallel_size or 1
+        pp = self.pipeline_model_parallel_size
+        _require(num_layers % (pp * per_chunk) == 0,
+                 f"--num-layers ({num_layers}) must be divisible by --pipeline-model-parallel-size ({pp}) x "
+                 f"--num-layers-per-virtual-pipeline-stage ({per_chunk})")
+        return num_layers // (pp * per_chunk)
 
     @property
     def model_parallel_size(self) -> int:
@@ -345,6 +373,7 @@ class RunConfig:
             f"--num-attention-heads ({model.num_attention_heads}) must be divisible by "
             f"--tensor-model-parallel-size ({tp})",
         )
+        parallel.virtual_pipeline_size(model.num_layers)  # checks --num-layers-per-virtual-pipeline-stage
         if train.recompute_granularity == "full" and train.recompute_method == "uniform":
             _require(
                 model.num_layers % train.recompute_num_layers == 0,

@@ -11,12 +11,19 @@ With tensor parallelism the vocabulary is split too: the loss is computed from e
 rank's slice of the logits, which are gathered only when the caller asks for logits.
 With sequence parallelism the embedding reduce-scatters to sequence shards, the blocks
 keep them, and the head all-gathers the sequence before the output layer.
+
+A pipeline stage is the same class built with only some blocks (`layer_indices`, named by
+their global index so that initialisation and checkpoints ignore the layout), the
+embedding only with `pre_process` and the final norm and output layer only with
+`post_process`; with tied embeddings the last stage keeps its own copy of the word
+embedding for the output layer (tessera.parallel.pipeline keeps the copies equal).
 """
 
 from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -42,7 +49,8 @@ class Recompute:
 
 class GPTModel(nn.Module):
     def __init__(self, config: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
-                 recompute: Recompute = Recompute()):
+                 recompute: Recompute = Recompute(), layer_indices: Sequence[int] | None = None,
+                 pre_process: bool = True, post_process: bool = True):
         super().__init__()
         self.config = config
         self.recompute = recompute
@@ -54,9 +62,12 @@ class GPTModel(nn.Module):
         # default generator's seed (torch.manual_seed before building the model).
         self.dropout_rng = DropoutRNG(torch.initial_seed(), tp_rank)
         std = config.init_method_std
-        self.embedding = VocabParallelEmbedding(self.vocab_size, config.hidden_size, init_std=std,
-                                                tp_group=tp_group, sequence_parallel=sp)
-        if config.position_embedding_type == "learned_absolute":
+        self.pre_process, self.post_process = pre_process, post_process
+        self.embedding = None
+        if pre_process or (post_process and config.tie_embeddings):
+            self.embedding = VocabParallelEmbedding(self.vocab_size, config.hidden_size, init_std=std,
+                                                    tp_group=tp_group, sequence_parallel=sp)
+        if config.position_embedding_type == "learned_absolute" and pre_process:
             self.position_embedding = nn.Embedding(config.max_position_embeddings, config.hidden_size)
             weight = self.position_embedding.weight
             annotate(weight, ShardSpec(tuple(weight.shape), None, None, tp_rank, self.tp_size), init_std=std,
@@ -66,13 +77,13 @@ class GPTModel(nn.Module):
         self.rotary = (RotaryEmbedding(config.rotary_dim, config.rotary_base, config.max_position_embeddings)
                        if config.position_embedding_type == "rope" else None)
         selective = recompute.granularity == "selective"
-        self.layers = nn.ModuleList(
-            TransformerBlock(config, tp_group=tp_group, sequence_parallel=sp, rng=self.dropout_rng,
-                             recompute_core=selective)
-            for _ in range(config.num_layers)
-        )
-        self.final_norm = build_norm(config, tp_group, sp)
-        if config.tie_embeddings:
+        self.layers = LayerStack({
+            index: TransformerBlock(config, tp_group=tp_group, sequence_parallel=sp, rng=self.dropout_rng,
+                                    recompute_core=selective)
+            for index in (range(config.num_layers) if layer_indices is None else layer_indices)
+        })
+        self.final_norm = build_norm(config, tp_group, sp) if post_process else None
+        if config.tie_embeddings or not post_process:
             self.output_weight = None
         else:
             spec = ShardSpec((self.vocab_size, config.hidden_size), 0, None, tp_rank, self.tp_size)
@@ -100,10 +111,11 @@ class GPTModel(nn.Module):
                        self.dropout_rng if self.sequence_parallel else None)
 
     def run_layers(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
-                   attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                   attention_mask: torch.Tensor | None = None, layers: Sequence[nn.Module] | None = None) -> torch.Tensor:
+        """The blocks (default all this model holds; a pipeline chunk passes its own) over `hidden`."""
         seq_length = hidden.shape[1] * (self.tp_size if self.sequence_parallel else 1)
         rope = self.rotary(seq_length, position_ids) if self.rotary is not None else None
-        layers = list(self.layers)
+        layers = list(self.layers if layers is None else layers)
         for start, end, recomputed in self._layer_chunks(len(layers)):
             def run(h, chunk=layers[start:end]):
                 for layer in chunk:
@@ -135,6 +147,25 @@ class GPTModel(nn.Module):
         if r.method == "uniform":
             return [(i, min(i + r.num_layers, num_layers), True) for i in range(0, num_layers, r.num_layers)]
         return [(i, i + 1, i < r.num_layers) for i in range(num_layers)]
+
+
+class LayerStack(nn.Module):
+    """Transformer blocks named by their global layer index: a pipeline stage holding layers
+    4-7 names their parameters `layers.4...` to `layers.7...`, as the whole model does."""
+
+    def __init__(self, blocks: dict[int, nn.Module]):
+        super().__init__()
+        for index, block in blocks.items():
+            self.add_module(str(index), block)
+
+    def __getitem__(self, index: int) -> nn.Module:
+        return self._modules[str(index)]
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def __len__(self) -> int:
+        return len(self._modules)
 
 
 def _parameter_seed(seed: int, name: str) -> int:

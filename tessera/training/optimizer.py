@@ -12,7 +12,9 @@ biases (every 1-D parameter) get no weight decay, as in Megatron-LM.
 The gradient norm counts every element of the model exactly once: grads sharded over
 tensor-parallel ranks add their squares over the TP group; grads replicated over TP
 (norms, row-parallel biases) are counted on TP rank 0 only; grads sharded over data-
-parallel ranks (distributed optimizer, FSDP2) add their squares over the DP group.
+parallel ranks (distributed optimizer, FSDP2) add their squares over the DP group;
+pipeline stages add theirs over the PP group, the tied word embedding counted on the
+first stage only (after its gradient has been summed over the first and last stage).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch import nn
 from tessera.config import OptimConfig, ParallelConfig
 from tessera.parallel.ddp import GradBuffer, default_bucket_size
 from tessera.parallel.mesh import Mesh
+from tessera.parallel.pipeline import PipelineGroups, sum_tied_grads
 from tessera.parallel.sharding import allreduce_sequence_parallel_grads
 from tessera.parallel.zero import DistributedOptimizer
 
@@ -40,10 +43,17 @@ class TrainingOptimizer:
     """Zero grads, reduce them, measure their global norm, and step AdamW."""
 
     def __init__(self, model: nn.Module, optim: OptimConfig, mesh: Mesh, *, grads: GradBuffer | None,
-                 inner, dp_sharded: bool):
+                 inner, dp_sharded: bool, pipeline: PipelineGroups | None = None):
         self.model, self.optim, self.mesh, self.grads, self.inner = model, optim, mesh, grads, inner
         self.dp_sharded = dp_sharded  # each rank holds only its slice of the reduced grads
-        self._norm_groups = [g for g in (mesh.tp_group, mesh.group("dp_cp") if dp_sharded else None) if g]
+        self.pipeline = pipeline
+        self._norm_groups = [g for g in (mesh.tp_group, mesh.group("dp_cp") if dp_sharded else None,
+                                         mesh.group("pp")) if g]
+        # Under PP with tied embeddings the first and last stage each hold the word embedding.
+        embedding = getattr(model, "embedding", None)
+        self._tied = embedding.weight if pipeline is not None and embedding is not None \
+            and model.config.tie_embeddings else None
+        self._norm_skips = self._tied if self._tied is not None and not model.pre_process else None
 
     @property
     def param_groups(self):
@@ -66,6 +76,19 @@ class TrainingOptimizer:
             self.grads.finish()
         main_grad = self.grads.view if self.grads is not None else lambda p: _local(p.grad)
         allreduce_sequence_parallel_grads(self.model, self.mesh.tp_group, main_grad=main_grad)
+        if self._tied is not None:
+            if isinstance(self.inner, DistributedOptimizer):
+                slices = [(g, offset) for g, p, offset in self.inner.local_grads_with_offsets() if p is self._tied]
+                group = self.pipeline.embedding_dp
+            else:
+                slices, group = [(main_grad(self._tied), 0)], self.pipeline.embedding
+            sum_tied_grads(slices, self._tied.numel(), group, self._tied.device)
+
+    def wait_for_parameters(self) -> None:
+        """Wait for the distributed optimizer's parameter all-gathers (for callers that run the
+        model's parts directly, bypassing the hooks that wait module by module)."""
+        if isinstance(self.inner, DistributedOptimizer):
+            self.inner.wait_all()
 
     def _owned_grads(self) -> list[tuple[torch.Tensor, nn.Parameter, int | None]]:
         """(gradient this rank holds, its parameter, flat offset of a slice or None if whole)."""
@@ -79,6 +102,8 @@ class TrainingOptimizer:
         """Global L2 norm of the (still loss-scaled) gradients; inf/nan on overflow."""
         plain, masked = [], []
         for grad, param, offset in self._owned_grads():
+            if param is self._norm_skips:   # the tied embedding's copy on the last stage: counted on the first
+                continue
             spec = getattr(param, "shard_spec", None)
             mask = spec.counted_mask() if spec is not None else None
             if mask is None:
@@ -130,15 +155,17 @@ class TrainingOptimizer:
 
 
 def build_optimizer(model: nn.Module, optim: OptimConfig, parallel: ParallelConfig, mesh: Mesh, *,
-                    bf16: bool = False) -> TrainingOptimizer:
+                    bf16: bool = False, pipeline: PipelineGroups | None = None) -> TrainingOptimizer:
     """The optimizer for the layout; call after the model is built (and FSDP2-wrapped)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if parallel.use_torch_fsdp2:
-        return TrainingOptimizer(model, optim, mesh, grads=None, inner=_adamw(params, optim), dp_sharded=True)
+        return TrainingOptimizer(model, optim, mesh, grads=None, inner=_adamw(params, optim), dp_sharded=True,
+                                 pipeline=pipeline)
     dp_size = mesh.dp_size * mesh.cp_size
     if dp_size == 1 and not parallel.use_distributed_optimizer:
         # Nothing to reduce: plain .grad tensors, freed rather than zeroed between steps.
-        return TrainingOptimizer(model, optim, mesh, grads=None, inner=_adamw(params, optim), dp_sharded=False)
+        return TrainingOptimizer(model, optim, mesh, grads=None, inner=_adamw(params, optim), dp_sharded=False,
+                                 pipeline=pipeline)
     grads = GradBuffer(
         params, mesh.group("dp_cp"), bucket_size=parallel.ddp_bucket_size or default_bucket_size(dp_size),
         overlap=parallel.overlap_grad_reduce, reduce_scatter=parallel.use_distributed_optimizer,
@@ -147,8 +174,10 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, parallel: ParallelConf
     if parallel.use_distributed_optimizer:
         inner = DistributedOptimizer(model, grads, optim, param_dtype=torch.bfloat16 if bf16 else torch.float32,
                                      overlap_param_gather=parallel.overlap_param_gather)
-        return TrainingOptimizer(model, optim, mesh, grads=grads, inner=inner, dp_sharded=True)
-    return TrainingOptimizer(model, optim, mesh, grads=grads, inner=_adamw(params, optim), dp_sharded=False)
+        return TrainingOptimizer(model, optim, mesh, grads=grads, inner=inner, dp_sharded=True,
+                                 pipeline=pipeline)
+    return TrainingOptimizer(model, optim, mesh, grads=grads, inner=_adamw(params, optim), dp_sharded=False,
+                             pipeline=pipeline)
 
 
 def _fsdp_row_offset(param: nn.Parameter, mesh: Mesh) -> int | None:

@@ -28,6 +28,8 @@ from tessera.data.mock import MockGPTDataset
 from tessera.models.gpt import GPTModel, Recompute, initialize_parameters
 from tessera.parallel.fsdp import apply_fsdp2
 from tessera.parallel.mesh import Mesh, init_distributed
+from tessera.parallel.pipeline import PipelineGroups, PipelineRunner, stage_layer_ranges
+from tessera.parallel.pipeline_schedules import build_schedule
 from tessera.perf.flops import count_parameters, flops_per_iteration
 from tessera.training.metrics import IterationStats, MetricsWriter, peak_memory_gb, resolve_peak_tflops
 from tessera.training.optimizer import build_optimizer
@@ -68,15 +70,21 @@ class Trainer:
         self.data = _DataSource(config, self.mesh)
         torch.manual_seed(train.seed)
         recompute = Recompute(train.recompute_granularity, train.recompute_method, train.recompute_num_layers)
+        stage = self._pipeline_stage()
         with torch.device(self.device):
             self.model = GPTModel(config.model, tp_group=self.mesh.tp_group,
-                                  sequence_parallel=parallel.sequence_parallel, recompute=recompute)
+                                  sequence_parallel=parallel.sequence_parallel, recompute=recompute, **stage)
         initialize_parameters(self.model, train.seed)
         if train.compile if train.compile is not None else self.device.type == "cuda":
             self._compile()
         if parallel.use_torch_fsdp2:
             apply_fsdp2(self.model, self.mesh)
-        self.optimizer = build_optimizer(self.model, config.optim, parallel, self.mesh, bf16=train.bf16)
+        self.pipeline = PipelineGroups.build(self.mesh, tied_embeddings=config.model.tie_embeddings) \
+            if self.mesh.pp_size > 1 else None
+        self.optimizer = build_optimizer(self.model, config.optim, parallel, self.mesh, bf16=train.bf16,
+                                         pipeline=self.pipeline)
+        if self.pipeline is not None:
+            self._build_pipeline_runners()
         self.lr_schedule = LRSchedule(config.optim, train.train_iters)
         self.loss_scaler = LossScaler(train)
         self.amp_dtype = autocast_dtype(train)
@@ -96,6 +104,71 @@ class Trainer:
             log_json=train.log_json, tensorboard_dir=train.tensorboard_dir,
             enabled=self.mesh.rank == self.mesh.world_size - 1,  # Megatron logs from the last rank
         )
+
+    # -- pipeline parallelism ------------------------------------------------------------
+
+    def _pipeline_stage(self) -> dict:
+        """GPTModel arguments of this rank's stage: the layers of its chunks, embedding on the
+        first stage, output layer on the last (nothing to add without PP)."""
+        parallel, mesh = self.config.parallel, self.mesh
+        if mesh.pp_size == 1:
+            return {}
+        ranges = stage_layer_ranges(
+            self.config.model.num_layers, mesh.pp_size, parallel.virtual_pipeline_size(self.config.model.num_layers),
+            first_stage_layers=parallel.decoder_first_pipeline_num_layers,
+            last_stage_layers=parallel.decoder_last_pipeline_num_layers)
+        self.chunk_layers = ranges[mesh.pp_rank::mesh.pp_size]   # chunk c is virtual stage c * pp + rank
+        return dict(layer_indices=[i for chunk in self.chunk_layers for i in chunk], pre_process=mesh.pp_rank == 0,
+                    post_process=mesh.pp_rank == mesh.pp_size - 1)
+
+    def _build_pipeline_runners(self) -> None:
+        cfg, mesh = self.config, self.mesh
+        vp_size = len(self.chunk_layers)
+        seq_length = cfg.model.seq_length // mesh.cp_size
+        if self.model.sequence_parallel:
+            seq_length //= mesh.tp_size
+        runner = lambda schedule: PipelineRunner(  # noqa: E731
+            schedule, mesh.pp_rank, self.pipeline, device=self.device, dtype=next(self.model.parameters()).dtype,
+            activation_shape=(cfg.train.micro_batch_size, seq_length, cfg.model.hidden_size))
+        self.schedule = build_schedule(cfg.parallel.pipeline_schedule, mesh.pp_size, cfg.num_micro_batches, vp_size)
+        self.runner = runner(self.schedule)
+        self.eval_runner = runner(build_schedule(cfg.parallel.pipeline_schedule, mesh.pp_size,
+                                                 cfg.num_micro_batches, vp_size, forward_only=True))
+
+    def _stage_forward(self, chunk: int, batch: Batch, hidden: torch.Tensor | None) -> torch.Tensor:
+        """One model chunk on one micro-batch: its output activation, or on the last virtual
+        stage the sum of the masked per-token losses."""
+        stage = self.runner.stage(chunk)
+        position_ids, mask = batch.get("position_ids"), batch.get("attention_mask")
+        layers = [self.model.layers[i] for i in self.chunk_layers[chunk]]
+        with autocast(self.device.type, self.amp_dtype):
+            if stage == 0:
+                hidden = self.model.embed(batch["tokens"], position_ids)
+            hidden = self.model.run_layers(hidden, position_ids, mask, layers=layers)
+            if stage < self.runner.last_stage:
+                return hidden
+            losses = self.model.head(hidden, batch["labels"])
+        return (losses * batch["loss_mask"]).sum()
+
+    def _run_pipeline(self, runner: PipelineRunner, micro_batches: list[Batch], loss_scale: torch.Tensor | None
+                      ) -> torch.Tensor:
+        """Run a schedule over the micro-batches; the loss sum, on every pipeline rank.
+        `loss_scale` (loss scale / global tokens) is what the last stage backpropagates."""
+        loss_sum = torch.zeros((), device=self.device)
+
+        def forward_step(chunk: int, index: int, hidden: torch.Tensor | None) -> torch.Tensor:
+            nonlocal loss_sum
+            output = self._stage_forward(chunk, micro_batches[index], hidden)
+            if runner.stage(chunk) < runner.last_stage:
+                return output
+            loss_sum = loss_sum + output.detach()
+            return output * loss_scale if loss_scale is not None else output
+
+        last_backwards = runner.schedule.last_backwards(self.mesh.pp_rank)
+        runner.run(forward_step, before_backward=lambda mb, chunk: self.optimizer.set_last_micro_batch(
+            (mb, chunk) in last_backwards))   # each chunk's buckets may start in its own last backward
+        dist.all_reduce(loss_sum, group=self.mesh.group("pp"))   # only the last stage holds losses
+        return loss_sum
 
     def _compile(self) -> None:
         """Compile each block and the output head separately: small graphs compile fast
@@ -124,13 +197,17 @@ class Trainer:
         micro_batches = [self._to_device(next(self.train_data)) for _ in range(self.config.num_micro_batches)]
         tokens = self._sum_over_data_parallel(sum(b["loss_mask"].sum() for b in micro_batches).float()).clamp(min=1)
         scale = self.loss_scaler.scale
-        loss_sum = torch.zeros((), device=self.device)
         self.optimizer.zero_grad()
-        for index, batch in enumerate(micro_batches):
-            self.optimizer.set_last_micro_batch(index == len(micro_batches) - 1)
-            loss = self._forward(batch)
-            (loss * (scale / tokens)).backward()
-            loss_sum += loss.detach()
+        if self.pipeline is not None:
+            self.optimizer.wait_for_parameters()   # stages call embed/run_layers/head, not the gather hooks
+            loss_sum = self._run_pipeline(self.runner, micro_batches, scale / tokens)
+        else:
+            loss_sum = torch.zeros((), device=self.device)
+            for index, batch in enumerate(micro_batches):
+                self.optimizer.set_last_micro_batch(index == len(micro_batches) - 1)
+                loss = self._forward(batch)
+                (loss * (scale / tokens)).backward()
+                loss_sum += loss.detach()
         self.optimizer.finish_grad_sync()
         norm = self.optimizer.grad_norm()
         if self.loss_scaler.dynamic:  # the scale of the next iteration depends on this one
@@ -146,10 +223,13 @@ class Trainer:
         self.model.eval()
         total = torch.zeros((), device=self.device)
         tokens = torch.zeros((), device=self.device)
-        for _ in range(self.config.train.eval_iters * self.config.num_micro_batches):
-            batch = self._to_device(next(self.valid_data))
-            total += self._forward(batch)
-            tokens += batch["loss_mask"].sum()
+        for _ in range(self.config.train.eval_iters):
+            batches = [self._to_device(next(self.valid_data)) for _ in range(self.config.num_micro_batches)]
+            if self.pipeline is not None:
+                total += self._run_pipeline(self.eval_runner, batches, None)
+            else:
+                total += sum(self._forward(batch) for batch in batches)
+            tokens += sum(batch["loss_mask"].sum() for batch in batches)
         totals = self._sum_over_data_parallel(torch.stack([total, tokens]))
         return (totals[0] / totals[1].clamp(min=1)).item()
 
@@ -158,6 +238,10 @@ class Trainer:
     def train(self) -> list[StepResult]:
         """Run to --train-iters (or --exit-interval); returns every iteration's resolved result."""
         train = self.config.train
+        if self.config.parallel.print_schedule:
+            if self.mesh.rank == 0:
+                print(self.schedule.format() if self.pipeline is not None else "no pipeline parallelism: no schedule")
+            return []
         self._log_start()
         history: list[StepResult] = []
         pending: list[StepResult] = []
@@ -198,6 +282,16 @@ class Trainer:
             loss_scale=self.loss_scaler.scale, skipped_iterations=self.skipped_iterations,
             nan_iterations=self.nan_iterations, mem_gb=peak_memory_gb(self.device),
         ))
+        if self.pipeline is not None:
+            self._log_bubble()
+
+    def _log_bubble(self) -> None:
+        """Measured idle fraction of each stage in the last step next to (p-1)/(v*m+p-1)."""
+        measured = torch.tensor([self.runner.measured_bubble()], device=self.device)
+        stages = [torch.zeros_like(measured) for _ in range(self.mesh.pp_size)]
+        dist.all_gather(stages, measured, group=self.mesh.group("pp"))
+        self.metrics.info(f" pipeline bubble per stage: {' '.join(f'{s.item():.1%}' for s in stages)} "
+                          f"(theory {self.schedule.theoretical_bubble():.1%}, {self.schedule.name})")
 
     def _log_start(self) -> None:
         cfg, mesh = self.config, self.mesh

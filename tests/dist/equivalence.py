@@ -27,7 +27,8 @@ BASE = ["--model", "tiny-llama", "--mock-data", "--lr", "3e-3", "--train-iters",
 
 def full_parameters(trainer: Trainer) -> dict[str, torch.Tensor]:
     """Every parameter as the full tensor, whatever the layout: DTensor (FSDP2) shards are
-    gathered over DP, tensor-parallel shards over TP and reassembled by their ShardSpec."""
+    gathered over DP, tensor-parallel shards over TP and reassembled by their ShardSpec,
+    pipeline stages' parameters over PP."""
     full = {}
     tp_group = trainer.mesh.tp_group
     for name, param in trainer.model.named_parameters():
@@ -38,7 +39,24 @@ def full_parameters(trainer: Trainer) -> dict[str, torch.Tensor]:
             dist.all_gather(shards, tensor.contiguous(), group=tp_group)
             tensor = spec.unshard(shards)
         full[name] = tensor.clone()
-    return full
+    return _merge_pipeline_stages(full, trainer.mesh.group("pp"))
+
+
+def _merge_pipeline_stages(stage: dict[str, torch.Tensor], pp_group) -> dict[str, torch.Tensor]:
+    """All stages' parameters in one dict (global layer names are unique); a weight held by
+    two stages (the tied word embedding) must be the same on both."""
+    if pp_group is None:
+        return stage
+    stages = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(stages, stage, group=pp_group)
+    merged = {}
+    for params in stages:
+        for name, tensor in params.items():
+            if name in merged:
+                torch.testing.assert_close(tensor, merged[name], rtol=0, atol=0,
+                                           msg=lambda m, name=name: f"stage copies of {name} differ\n{m}")
+            merged[name] = tensor
+    return merged
 
 
 def train(flags: list[str]) -> dict:

@@ -1,0 +1,216 @@
+"""Pipeline parallelism at run time: which layers a stage holds, and the runner that executes
+a schedule (tessera.parallel.pipeline_schedules) with batched point-to-point transfers.
+
+A stage is a view of the one model: GPTModel built with the blocks of this rank's chunks
+(keeping their global indices, so names, initialisation and checkpoints do not depend
+on the layout), the embedding on the first stage and the final norm, output layer and
+loss on the last. `PipelineRunner` knows nothing of tokens: the trainer gives it a
+`forward_step(chunk, micro_batch, input)` that returns the chunk's output activation,
+or on the last virtual stage the scalar loss to backpropagate.
+
+Transfers between neighbours use `batch_isend_irecv` with shapes known ahead of time
+(the trainer passes [micro batch, sequence / TP under SP, hidden]), so no shape ever
+travels. Activations and gradients go through separate process groups: with two ranks
+and virtual stages both flow between the same pair of ranks, and separate
+communicators keep their send/receive matching independent (what the schedule
+simulator assumes when it proves a schedule cannot deadlock).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from tessera.config import ConfigError
+from tessera.parallel.pipeline_schedules import (
+    FORWARD, RECV_ACTIVATION, RECV_GRAD, SEND_ACTIVATION, SEND_GRAD, Action, Schedule,
+)
+
+
+def stage_layer_ranges(num_layers: int, pp_size: int, vp_size: int = 1, *, first_stage_layers: int | None = None,
+                       last_stage_layers: int | None = None) -> list[range]:
+    """Global layer indices of each virtual stage (chunk c of pipeline rank r is stage c * pp_size + r).
+
+    Layers are split evenly, except that --decoder-first-pipeline-num-layers and
+    --decoder-last-pipeline-num-layers fix the first and last (virtual) stage's share
+    and the others split the rest evenly.
+    """
+    num_stages = pp_size * vp_size
+    sizes = [None] * num_stages
+    if first_stage_layers is not None:
+        sizes[0] = first_stage_layers
+    if last_stage_layers is not None:
+        sizes[-1] = last_stage_layers
+    fixed = sum(s for s in sizes if s is not None)
+    free = sizes.count(None)
+    rest = num_layers - fixed
+    if rest < 0 or (free and rest % free) or (not free and rest):
+        raise ConfigError(
+            f"--num-layers ({num_layers}) cannot be split over {num_stages} pipeline stages "
+            f"(--pipeline-model-parallel-size {pp_size} x virtual stages {vp_size}) with "
+            f"--decoder-first-pipeline-num-layers {first_stage_layers} and --decoder-last-pipeline-num-layers "
+            f"{last_stage_layers}: the remaining {rest} layers must divide evenly over the other {free} stages")
+    sizes = [s if s is not None else rest // free for s in sizes]
+    if min(sizes) < 1:
+        raise ConfigError(f"every pipeline stage needs at least one layer; the split gives {sizes}")
+    starts = [sum(sizes[:i]) for i in range(num_stages)]
+    return [range(start, start + size) for start, size in zip(starts, sizes)]
+
+
+@dataclass(frozen=True)
+class PipelineGroups:
+    """This rank's pipeline communicators (each created on every rank, in the same order)."""
+
+    ranks: tuple[int, ...]     # global ranks of this rank's pipeline, by stage
+    activations: object        # the mesh's pp group carries activations ...
+    gradients: object          # ... and a twin carries gradients
+    embedding: object          # first + last stage: tied word-embedding gradients (None when untied)
+    embedding_dp: object       # first + last stage x all data-parallel ranks (distributed optimizer)
+
+    @classmethod
+    def build(cls, mesh, *, tied_embeddings: bool) -> "PipelineGroups":
+        tp, cp, dp, pp = mesh.tp_size, mesh.cp_size, mesh.dp_size, mesh.pp_size
+        mine = {}
+        for name, members in _pipeline_group_ranks(tp, cp, dp, pp, tied_embeddings):
+            group = dist.new_group(members)   # collective: every rank creates every group
+            if mesh.rank in members:
+                mine[name] = (group, members)
+        # NCCL: the first operation on a communicator should involve all its ranks.
+        for group, _ in mine.values():
+            dist.all_reduce(torch.zeros(1, device=_device_of(group)), group=group)
+        get = lambda name: mine[name][0] if name in mine else None  # noqa: E731
+        return cls(tuple(mine["gradients"][1]), mesh.group("pp"), get("gradients"), get("embedding"),
+                   get("embedding_dp"))
+
+
+def _pipeline_group_ranks(tp: int, cp: int, dp: int, pp: int, tied: bool):
+    rank = lambda t, c, d, p: t + tp * (c + cp * (d + dp * p))  # noqa: E731  Megatron's order
+    for t in range(tp):
+        for c in range(cp):
+            for d in range(dp):
+                members = [rank(t, c, d, p) for p in range(pp)]
+                yield "gradients", members
+                if tied:
+                    yield "embedding", [members[0], members[-1]]
+        if tied:  # the distributed optimizer shards over dp x cp
+            yield "embedding_dp", sorted(rank(t, c, d, p) for p in (0, pp - 1) for d in range(dp) for c in range(cp))
+
+
+def _device_of(group) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
+        else torch.device("cpu")
+
+
+class PipelineRunner:
+    """Executes one rank's actions of a schedule: forwards, backwards and transfers."""
+
+    def __init__(self, schedule: Schedule, pp_rank: int, groups: PipelineGroups, *, activation_shape: tuple,
+                 dtype: torch.dtype, device: torch.device):
+        self.schedule, self.pp_rank, self.groups = schedule, pp_rank, groups
+        self.shape, self.dtype, self.device = activation_shape, dtype, device
+        self.last_stage = schedule.pp_size * schedule.vp_size - 1
+        self._timings: list = []   # start, (compute start, compute end)..., end of the last run
+
+    def stage(self, chunk: int) -> int:
+        return chunk * self.schedule.pp_size + self.pp_rank
+
+    def run(self, forward_step: Callable[[int, int, torch.Tensor | None], torch.Tensor],
+            before_backward: Callable[[int, int], None] = lambda micro_batch, chunk: None) -> None:
+        """Run the schedule. `before_backward(micro_batch, chunk)` is called before each backward
+        (the trainer marks each chunk's last one for the data-parallel overlap)."""
+        inputs, outputs, received, outgoing = {}, {}, {}, {}
+        self._timings = [_now(self.device)]
+        for step in self.schedule.steps(self.pp_rank):
+            if isinstance(step, list):
+                self._exchange(step, outgoing, received)
+                continue
+            key = (step.micro_batch, step.chunk)
+            start = _now(self.device)
+            if step.kind == FORWARD:
+                hidden = received.pop((RECV_ACTIVATION,) + key, None)
+                output = forward_step(step.chunk, step.micro_batch, hidden)
+                if self.stage(step.chunk) < self.last_stage:
+                    outgoing[(SEND_ACTIVATION,) + key] = output.detach()
+                if not self.schedule.forward_only:
+                    inputs[key], outputs[key] = hidden, output
+            else:
+                before_backward(*key)
+                self._backward(step, inputs.pop(key), outputs.pop(key), received, outgoing)
+            self._timings.append((start, _now(self.device)))
+        self._timings.append(_now(self.device))
+
+    def _backward(self, step: Action, hidden, output, received: dict, outgoing: dict) -> None:
+        if self.stage(step.chunk) == self.last_stage:
+            torch.autograd.backward(output)   # the (scaled) loss
+        else:
+            grad = received.pop((RECV_GRAD, step.micro_batch, step.chunk))
+            torch.autograd.backward(output, grad_tensors=grad.to(output.dtype))
+        if self.stage(step.chunk) > 0:
+            outgoing[(SEND_GRAD, step.micro_batch, step.chunk)] = hidden.grad
+
+    def _exchange(self, batch: list[Action], outgoing: dict, received: dict) -> None:
+        """Post a batch of transfers at once and wait for all of them."""
+        ops = {"activation": [], "gradient": []}
+        for action in batch:
+            family = "activation" if action.kind in (SEND_ACTIVATION, RECV_ACTIVATION) else "gradient"
+            group = self.groups.activations if family == "activation" else self.groups.gradients
+            peer = self.groups.ranks[action.peer]
+            key = (action.kind, action.micro_batch, action.chunk)
+            if action.kind.startswith("send"):
+                tensor = outgoing.pop(key).to(self.dtype).contiguous()
+                ops[family].append(dist.P2POp(dist.isend, tensor, peer, group))
+            else:
+                tensor = torch.empty(self.shape, dtype=self.dtype, device=self.device,
+                                     requires_grad=action.kind == RECV_ACTIVATION and not self.schedule.forward_only)
+                received[key] = tensor
+                ops[family].append(dist.P2POp(dist.irecv, tensor, peer, group))
+        works = [work for family_ops in ops.values() if family_ops for work in dist.batch_isend_irecv(family_ops)]
+        for work in works:
+            work.wait()
+
+    def measured_bubble(self) -> float:
+        """Idle fraction of the last run on this rank: 1 - compute time / schedule time
+        (waits for the device: call it when logging, not every step)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        first, *computes, last = self._timings
+        busy = sum(_seconds(start, end) for start, end in computes)
+        return 1.0 - busy / max(_seconds(first, last), 1e-12)
+
+
+def _now(device: torch.device):
+    """A point in time: a recorded CUDA event (the GPU's clock) or the host clock."""
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def _seconds(start, end) -> float:
+    return start.elapsed_time(end) / 1000 if hasattr(start, "elapsed_time") else end - start
+
+
+@torch.no_grad()
+def sum_tied_grads(slices: list[tuple[torch.Tensor, int]], numel: int, group, device: torch.device) -> None:
+    """Sum the gradient of the word embedding, used by the first stage (input) and the last
+    (output layer), over `group`, so that both copies take the same step and stay equal.
+
+    `slices` are the (gradient, flat offset) pieces of the weight this rank holds, already
+    reduced over data-parallel ranks: the whole gradient with the embedding group, or the
+    distributed optimizer's owned slices with the embedding x data-parallel group (each
+    region is owned by one rank per stage, so the sum adds every contribution once). A rank
+    that owns no slice still takes part.
+    """
+    if group is None:
+        return
+    full = torch.zeros(numel, dtype=torch.float32, device=device)
+    for grad, offset in slices:
+        full[offset:offset + grad.numel()] += grad.flatten()
+    dist.all_reduce(full, group=group)
+    for grad, offset in slices:
+        grad.copy_(full[offset:offset + grad.numel()].view_as(grad))
