@@ -65,6 +65,7 @@ class ModelConfig:
     normalization: str = option("LayerNorm", "normalization layer", ("LayerNorm", "RMSNorm"))
     norm_epsilon: float = option(1e-5, "epsilon of the normalization layers")
     swiglu: bool = option(False, "gated SiLU MLP (LLaMA) instead of GeLU")
+    openai_gelu: bool = option(False, "tanh approximation of GeLU (GPT-2's gelu_new) instead of the exact erf form")
     disable_bias_linear: bool = option(False, "no biases in linear layers")
     add_qkv_bias: bool = option(False, "biases on the QKV projection even with --disable-bias-linear (Qwen)")
     untie_embeddings_and_output_weights: bool = option(False, "separate output layer instead of the input embedding")
@@ -314,6 +315,10 @@ class TrainConfig:
     eval_interval: int | None = option(None, "iterations between evaluations (default: never)")
     eval_iters: int = option(10, "batches per evaluation")
     exit_interval: int | None = option(None, "stop after the iteration divisible by this")
+    exit_duration_in_mins: float | None = option(None, "stop (saving a checkpoint with --save) after this many minutes")
+    exit_signal_handler: bool = option(False, "on SIGTERM, save a checkpoint at the end of the iteration and exit 0")
+    check_for_nan_in_loss_and_grad: bool | None = option(
+        None, "stop before applying an update whose loss or gradients hold NaN/Inf [default: on]")
     peak_tflops: float | None = option(None, "GPU peak TFLOP/s for MFU (default: detected from the device name)")
 
     def __post_init__(self) -> None:
@@ -322,6 +327,9 @@ class TrainConfig:
                   "eval_interval", "eval_iters", "exit_interval", "loss_scale_window", "hysteresis",
                   "peak_tflops", "loss_scale", "initial_loss_scale", "min_loss_scale")
         _require(not (self.bf16 and self.fp16), "--bf16 and --fp16 are exclusive")
+        _positive(self, "exit_duration_in_mins")
+        if self.check_for_nan_in_loss_and_grad is None:
+            self.check_for_nan_in_loss_and_grad = True
         if self.recompute_granularity == "full":
             _require(self.recompute_method is not None, "--recompute-granularity full needs --recompute-method")
             _require(self.recompute_num_layers is not None and self.recompute_num_layers > 0,
@@ -335,12 +343,31 @@ class TrainConfig:
         return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
 
 
+@dataclass
+class CheckpointConfig:
+    """Saving and resuming (tessera.training.checkpoint)."""
+
+    save: str | None = option(None, "directory to save checkpoints to")
+    save_interval: int | None = option(None, "iterations between checkpoints (and one at the end of the run)")
+    load: str | None = option(None, "directory to resume from (its newest complete checkpoint)")
+    no_load_optim: bool = option(False, "do not load the optimizer state (Adam moments) from --load")
+    no_load_rng: bool = option(False, "do not load the random-number-generator states from --load")
+    finetune: bool = option(False, "load only the weights from --load and start at iteration 0")
+    async_save: bool = option(False, "write checkpoints in the background while training continues")
+    keep_last: int | None = option(None, "keep only this many newest checkpoints in --save")
+
+    def __post_init__(self) -> None:
+        _positive(self, "save_interval", "keep_last")
+        _require(self.save_interval is None or self.save is not None, "--save-interval needs --save")
+
+
 SECTIONS = {
     "model": ModelConfig,
     "parallel": ParallelConfig,
     "data": DataConfig,
     "optim": OptimConfig,
     "train": TrainConfig,
+    "checkpoint": CheckpointConfig,
 }
 
 
@@ -353,6 +380,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))
     train: TrainConfig = field(default_factory=lambda: TrainConfig(train_iters=1))
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     world_size: int = 1
 
     def __post_init__(self) -> None:

@@ -14,6 +14,7 @@ COMMANDS = {
     "preprocess": ("tessera.cli.preprocess", "tokenize JSONL into Megatron .bin/.idx datasets"),
     "train-tokenizer": ("tessera.cli.train_tokenizer", "train a BPE tokenizer.json on JSONL text, offline"),
     "merge-datasets": ("tessera.cli.merge_datasets", "concatenate .bin/.idx datasets into one"),
+    "convert": ("tessera.cli.convert", "Hugging Face <-> tessera checkpoints (Llama, Mistral, Qwen2, GPT-2)"),
 }
 
 

@@ -125,7 +125,7 @@ class MLP(nn.Module):
 
     def __init__(self, config: ModelConfig, output_std: float, *, tp_group=None, sequence_parallel: bool = False):
         super().__init__()
-        ffn, self.swiglu = config.ffn_hidden_size, config.swiglu
+        ffn, self.swiglu, self.openai_gelu = config.ffn_hidden_size, config.swiglu, config.openai_gelu
         _, tp_size = rank_and_size(tp_group)
         if ffn % tp_size:
             raise ConfigError(f"--ffn-hidden-size ({ffn}) must be divisible by "
@@ -144,7 +144,7 @@ class MLP(nn.Module):
             gate, up = hidden.chunk(2, dim=-1)
             hidden = F.silu(gate) * up
         else:
-            hidden = F.gelu(hidden)
+            hidden = F.gelu(hidden, approximate="tanh" if self.openai_gelu else "none")
         return self.fc2(hidden)
 
 

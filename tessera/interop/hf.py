@@ -1,0 +1,210 @@
+"""Hugging Face checkpoints <-> tessera: weights renamed, fused and transposed exactly.
+
+    model = load_hf("path/to/hf_dir")          # single-process GPTModel; model(input_ids) -> logits
+    hf_to_tessera("hf_dir", "ckpt_dir")         # a tessera checkpoint (--load ckpt_dir --finetune)
+    tessera_to_hf("ckpt_dir", "hf_dir")         # config.json + safetensors (sharded when large)
+
+Tessera fuses what HF keeps apart: q, k and v rows into one `qkv` weight and Llama's
+gate and up projections into `fc1` ([gate; up], the order tessera's SwiGLU chunks in).
+GPT-2 stores linear weights as Conv1D ([in, out]); tessera as nn.Linear ([out, in]).
+The vocabulary is padded for tensor parallelism on import (zero rows, never a target)
+and cut back on export, so HF -> tessera -> HF gives back every tensor bit for bit.
+Only local directories are read: nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from tessera.config import ModelConfig
+from tessera.interop.hf_config import hf_config_from_model, infer_family, model_config_from_hf
+
+_SAFETENSORS_INDEX = "model.safetensors.index.json"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# -- reading and writing HF directories ---------------------------------------------
+
+def read_hf_dir(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json dict, every tensor) of a local HF model directory (safetensors)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: no config.json (a local Hugging Face model directory is needed)")
+    config = json.loads((path / "config.json").read_text())
+    if (path / _SAFETENSORS_INDEX).is_file():
+        files = sorted(set(json.loads((path / _SAFETENSORS_INDEX).read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors weights")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        tensors.update(load_file(path / name))
+    return config, tensors
+
+
+def write_hf_dir(path: str | os.PathLike, config: dict, tensors: dict[str, torch.Tensor],
+                 max_shard_bytes: int = 5 * 2**30) -> None:
+    """config.json and safetensors files of at most `max_shard_bytes` each (with an index)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor.contiguous()
+        size += nbytes
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], path / "model.safetensors", metadata=metadata)
+    else:
+        weight_map = {}
+        for index, shard in enumerate(shards, 1):
+            name = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, path / name, metadata=metadata)
+            weight_map.update(dict.fromkeys(shard, name))
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        (path / _SAFETENSORS_INDEX).write_text(json.dumps({"metadata": {"total_size": total},
+                                                           "weight_map": weight_map}, indent=2))
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+# -- tensor mapping -------------------------------------------------------------------
+
+def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])
+
+
+def tessera_state_from_hf(hf_config: dict, hf: dict[str, torch.Tensor], model: ModelConfig,
+                          dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Full (unsharded) tessera parameters from HF tensors."""
+    vocab = model.padded_vocab_size()
+    out: dict[str, torch.Tensor] = {}
+    if hf_config["model_type"] == "gpt2":
+        hf = {name.removeprefix("transformer."): t for name, t in hf.items()}
+        out["embedding.weight"] = _pad_rows(hf["wte.weight"], vocab)
+        out["position_embedding.weight"] = hf["wpe.weight"]
+        for i in range(model.num_layers):
+            src, dst = f"h.{i}.", f"layers.{i}."
+            for hf_name, name in (("ln_1", "input_norm"), ("ln_2", "post_attention_norm")):
+                for kind in ("weight", "bias"):
+                    out[f"{dst}{name}.{kind}"] = hf[f"{src}{hf_name}.{kind}"]
+            for hf_name, name in (("attn.c_attn", "attention.qkv"), ("attn.c_proj", "attention.proj"),
+                                  ("mlp.c_fc", "mlp.fc1"), ("mlp.c_proj", "mlp.fc2")):
+                out[f"{dst}{name}.weight"] = hf[f"{src}{hf_name}.weight"].t()  # Conv1D is [in, out]
+                out[f"{dst}{name}.bias"] = hf[f"{src}{hf_name}.bias"]
+        out["final_norm.weight"], out["final_norm.bias"] = hf["ln_f.weight"], hf["ln_f.bias"]
+    else:
+        out["embedding.weight"] = _pad_rows(hf["model.embed_tokens.weight"], vocab)
+        for i in range(model.num_layers):
+            src, dst = f"model.layers.{i}.", f"layers.{i}."
+            attn = src + "self_attn."
+            out[dst + "input_norm.weight"] = hf[src + "input_layernorm.weight"]
+            out[dst + "post_attention_norm.weight"] = hf[src + "post_attention_layernorm.weight"]
+            out[dst + "attention.qkv.weight"] = torch.cat([hf[f"{attn}{p}_proj.weight"] for p in "qkv"])
+            if model.add_qkv_bias:
+                out[dst + "attention.qkv.bias"] = torch.cat([hf[f"{attn}{p}_proj.bias"] for p in "qkv"])
+            out[dst + "attention.proj.weight"] = hf[attn + "o_proj.weight"]
+            out[dst + "mlp.fc1.weight"] = torch.cat([hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]])
+            out[dst + "mlp.fc2.weight"] = hf[src + "mlp.down_proj.weight"]
+        out["final_norm.weight"] = hf["model.norm.weight"]
+        if model.untie_embeddings_and_output_weights:
+            out["output_weight"] = _pad_rows(hf["lm_head.weight"], vocab)
+    return {name: t.to(dtype).contiguous() for name, t in out.items()}
+
+
+def hf_state_from_tessera(state: dict[str, torch.Tensor], model: ModelConfig, family: str,
+                          dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """HF tensors (names of `family`) from full tessera parameters."""
+    vocab = model.vocab_size
+    out: dict[str, torch.Tensor] = {}
+    if family == "gpt2":
+        out["transformer.wte.weight"] = state["embedding.weight"][:vocab]
+        out["transformer.wpe.weight"] = state["position_embedding.weight"]
+        for i in range(model.num_layers):
+            src, dst = f"layers.{i}.", f"transformer.h.{i}."
+            for hf_name, name in (("ln_1", "input_norm"), ("ln_2", "post_attention_norm")):
+                for kind in ("weight", "bias"):
+                    out[f"{dst}{hf_name}.{kind}"] = state[f"{src}{name}.{kind}"]
+            for hf_name, name in (("attn.c_attn", "attention.qkv"), ("attn.c_proj", "attention.proj"),
+                                  ("mlp.c_fc", "mlp.fc1"), ("mlp.c_proj", "mlp.fc2")):
+                out[f"{dst}{hf_name}.weight"] = state[f"{src}{name}.weight"].t()
+                out[f"{dst}{hf_name}.bias"] = state[f"{src}{name}.bias"]
+        out["transformer.ln_f.weight"], out["transformer.ln_f.bias"] = state["final_norm.weight"], state["final_norm.bias"]
+    else:
+        q = model.num_attention_heads * model.kv_channels
+        kv = model.num_query_groups * model.kv_channels
+        out["model.embed_tokens.weight"] = state["embedding.weight"][:vocab]
+        for i in range(model.num_layers):
+            src, dst = f"layers.{i}.", f"model.layers.{i}."
+            attn = dst + "self_attn."
+            out[dst + "input_layernorm.weight"] = state[src + "input_norm.weight"]
+            for p, part in zip("qkv", state[src + "attention.qkv.weight"].split([q, kv, kv])):
+                out[f"{attn}{p}_proj.weight"] = part
+            if model.add_qkv_bias:
+                for p, part in zip("qkv", state[src + "attention.qkv.bias"].split([q, kv, kv])):
+                    out[f"{attn}{p}_proj.bias"] = part
+            out[attn + "o_proj.weight"] = state[src + "attention.proj.weight"]
+            out[dst + "post_attention_layernorm.weight"] = state[src + "post_attention_norm.weight"]
+            gate, up = state[src + "mlp.fc1.weight"].chunk(2)
+            out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = gate, up
+            out[dst + "mlp.down_proj.weight"] = state[src + "mlp.fc2.weight"]
+        out["model.norm.weight"] = state["final_norm.weight"]
+        if model.untie_embeddings_and_output_weights:
+            out["lm_head.weight"] = state["output_weight"][:vocab]
+    return {name: t.to(dtype).contiguous() for name, t in out.items()}
+
+
+# -- entry points ---------------------------------------------------------------------
+
+def load_hf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """A single-process tessera GPTModel (eval mode) with the weights of a local HF model;
+    `model(input_ids)` gives logits over exactly the HF vocabulary."""
+    from tessera.models.gpt import GPTModel
+
+    hf_config, tensors = read_hf_dir(path)
+    config = model_config_from_hf(hf_config, vocab_multiple=1)
+    with torch.device(device):
+        model = GPTModel(config)
+    model.load_state_dict(tessera_state_from_hf(hf_config, tensors, config), strict=True)
+    return model.to(dtype).eval()
+
+
+def hf_to_tessera(hf_dir: str | os.PathLike, checkpoint_dir: str | os.PathLike, *, vocab_multiple: int = 128) -> None:
+    """Write the HF model at `hf_dir` as a tessera checkpoint (weights and model config, fp32)."""
+    from tessera.training.checkpoint import save_model_checkpoint
+
+    hf_config, tensors = read_hf_dir(hf_dir)
+    config = model_config_from_hf(hf_config, vocab_multiple=vocab_multiple)
+    save_model_checkpoint(checkpoint_dir, config, tessera_state_from_hf(hf_config, tensors, config),
+                          extra_files={"hf_config.json": json.dumps(hf_config, indent=2, sort_keys=True)})
+
+
+def tessera_to_hf(checkpoint_dir: str | os.PathLike, hf_dir: str | os.PathLike, *, family: str | None = None,
+                  dtype: str | None = None, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write the newest tessera checkpoint in `checkpoint_dir` as an HF model directory.
+
+    The family defaults to the imported model's (or is inferred from the architecture); the
+    dtype to the imported model's, else float32.
+    """
+    from tessera.training.checkpoint import load_model_checkpoint
+
+    config, state, extra = load_model_checkpoint(checkpoint_dir, extra_files=("hf_config.json",))
+    base = json.loads(extra["hf_config.json"]) if "hf_config.json" in extra else None
+    family = family or (base or {}).get("model_type") or infer_family(config)
+    dtype = dtype or (base or {}).get("dtype") or (base or {}).get("torch_dtype") or "float32"
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype '{dtype}' is not one of {', '.join(_DTYPES)}")
+    tensors = hf_state_from_tessera(state, config, family, _DTYPES[dtype])
+    write_hf_dir(hf_dir, hf_config_from_model(config, family, base, dtype), tensors, max_shard_bytes)

@@ -1,0 +1,233 @@
+"""What a checkpoint holds, addressed by full (unsharded) tensor coordinates.
+
+torch.distributed.checkpoint (DCP) reshards any saved tensor onto any new layout, if
+each rank says which rectangle of the *full* tensor each of its local pieces is. Here
+every piece of state is described that way, whatever cut it out of the full tensor:
+
+- tensor parallelism: `ShardSpec` pieces (fused q/k/v blocks, replicated KV groups);
+- FSDP2: a DTensor's rows of the TP shard;
+- the distributed optimizer: a flat range of the TP shard, cut into at most three
+  rectangles (a partial first row, whole rows, a partial last row).
+
+So model weights, Adam moments and fp32 masters are stored once each as full tensors,
+and load under any TP / DP / distributed-optimizer / FSDP2 layout. Pieces held by several
+ranks (DP replicas, TP-replicated KV groups) are identical; DCP writes one of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from tessera.parallel.sharding import ShardSpec
+from tessera.parallel.zero import DistributedOptimizer
+
+Block = tuple[tuple[int, ...], torch.Tensor]  # (offsets in the full tensor, a view of local storage)
+
+
+@dataclass
+class Chunked:
+    """Some rectangles of one full tensor, each a view of this rank's storage."""
+
+    full_shape: tuple[int, ...]
+    blocks: list[Block]
+
+    def size(self) -> torch.Size:  # DCP compares it with the saved tensor's size on load
+        return torch.Size(self.full_shape)
+
+    def __create_write_items__(self, fqn: str, _obj) -> list[WriteItem]:
+        return [WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(
+                              chunk=ChunkStorageMetadata(torch.Size(offsets), view.shape),
+                              properties=TensorProperties.create_from_tensor(view), size=self.size()))
+                for offsets, view in self.blocks]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(torch.Size(offsets), view.shape) for offsets, view in self.blocks]
+
+    def block_at(self, offsets) -> torch.Tensor:
+        for block_offsets, view in self.blocks:
+            if tuple(block_offsets) == tuple(offsets):
+                return view
+        raise KeyError(f"no block at {tuple(offsets)}")
+
+    def staged(self) -> "Chunked":
+        """A copy in CPU memory, for writing in the background while training goes on."""
+        return Chunked(self.full_shape, [(o, v.detach().to("cpu", copy=True)) for o, v in self.blocks])
+
+
+class SavePlanner(DefaultSavePlanner):
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def lookup_object(self, index: MetadataIndex):
+        value = self.state_dict[index.fqn]
+        if isinstance(value, Chunked):
+            return value.block_at(index.offset).contiguous()
+        return super().lookup_object(index)
+
+
+class LoadPlanner(DefaultLoadPlanner):
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        # The default set-up rebuilds the state dict from the types it knows (tensors,
+        # DTensors), which would drop the Chunked entries; nothing here needs flattening.
+        self.original_state_dict = self.state_dict = state_dict
+        self.metadata, self.is_coordinator = metadata, is_coordinator
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        value = self.state_dict[index.fqn]
+        if isinstance(value, Chunked):
+            return value.block_at(index.offset)  # a view: DCP copies the data into it in place
+        return super().lookup_tensor(index)
+
+    def load_bytes(self, read_item, value) -> None:
+        self.original_state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=False)
+
+
+# -- cutting full-tensor rectangles out of local storage -------------------------------
+
+def _spec(param: nn.Parameter) -> ShardSpec:
+    shape = tuple(param.shape)  # for an FSDP2 DTensor: the whole TP shard
+    return getattr(param, "shard_spec", None) or ShardSpec(shape)
+
+
+def _to_full(spec: ShardSpec, view: torch.Tensor, origin: tuple[int, ...]) -> list[Block]:
+    """Blocks of the full tensor for `view`, which sits at `origin` in this rank's TP shard."""
+    if spec.replicated:
+        return [(origin, view)]
+    dim, start = spec.dim, origin[spec.dim]
+    end = start + view.shape[dim]
+    blocks = []
+    for piece in spec.pieces():
+        lo, hi = max(start, piece.local_start), min(end, piece.local_start + piece.length)
+        if lo < hi:
+            offsets = list(origin)
+            offsets[dim] = piece.full_start + lo - piece.local_start
+            blocks.append((tuple(offsets), view.narrow(dim, lo - start, hi - lo)))
+    return blocks
+
+
+def _flat_range_rectangles(flat: torch.Tensor, offset: int, shape: tuple[int, ...]):
+    """(view, origin) rectangles covering `flat`, elements [offset, offset + n) of a tensor of `shape`."""
+    if len(shape) == 1:
+        return [(flat, (offset,))]
+    if len(shape) != 2:
+        raise ValueError(f"checkpointing a flat slice of a {len(shape)}-D parameter is not supported")
+    cols, end, pieces, position = shape[1], offset + flat.numel(), [], offset
+    while position < end:
+        row, col = divmod(position, cols)
+        if col or end - position < cols:  # a partial row
+            length = min(cols - col, end - position)
+            view = flat[position - offset:position - offset + length].view(1, length)
+        else:  # as many whole rows as fit
+            rows = (end - position) // cols
+            length = rows * cols
+            view = flat[position - offset:position - offset + length].view(rows, cols)
+        pieces.append((view, (row, col)))
+        position += length
+    return pieces
+
+
+def _local_blocks(param: nn.Parameter, tensor: torch.Tensor) -> list[Block]:
+    """Blocks of `tensor`, shaped and placed like `param` (a plain shard or an FSDP2 DTensor)."""
+    spec = _spec(param)
+    if hasattr(tensor, "to_local"):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        local = tensor.to_local()
+        _, origin = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+        return _to_full(spec, local, tuple(origin)) if local.numel() else []
+    return _to_full(spec, tensor, (0,) * tensor.ndim)
+
+
+def model_state(model: nn.Module) -> dict[str, Chunked]:
+    return {f"model.{_name(name)}": Chunked(_spec(param).full_shape, _local_blocks(param, param.data))
+            for name, param in model.named_parameters()}
+
+
+def _name(name: str) -> str:
+    return name.replace("_orig_mod.", "")  # torch.compile's wrapper does not change what is stored
+
+
+# -- optimizer state -------------------------------------------------------------------
+
+def optimizer_state(model: nn.Module, optimizer, *, create: bool = False) -> dict[str, Chunked]:
+    """Adam moments per parameter, as full-tensor blocks.
+
+    `create=True` first makes zero moments where the optimizer has none yet (before its
+    first step), so that a checkpoint can be loaded into them.
+    """
+    inner = optimizer.inner
+    names = {param: _name(name) for name, param in model.named_parameters()}
+    entries: dict[str, list[Block]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+
+    def add(kind: str, param: nn.Parameter, blocks: list[Block]) -> None:
+        key = f"optim.{kind}.{names[param]}"
+        entries.setdefault(key, []).extend(blocks)
+        shapes[key] = _spec(param).full_shape
+
+    if isinstance(inner, DistributedOptimizer):
+        for master, _, param, offset in inner._masters:
+            state = _adam_state(inner.optimizer, master, create)
+            shape = tuple(param.shape)
+            for kind in ("exp_avg", "exp_avg_sq"):
+                if kind in state:
+                    flat = state[kind]
+                    add(kind, param, [b for view, origin in _flat_range_rectangles(flat, offset, shape)
+                                      for b in _to_full(_spec(param), view, origin)])
+    else:
+        for param in names:
+            state = _adam_state(inner, param, create)
+            for kind in ("exp_avg", "exp_avg_sq"):
+                if kind in state:
+                    add(kind, param, _local_blocks(param, state[kind]))
+    return {key: Chunked(shapes[key], blocks) for key, blocks in entries.items()}
+
+
+def _adam_state(optimizer: torch.optim.Optimizer, key: torch.Tensor, create: bool) -> dict:
+    if create and key not in optimizer.state:
+        # What AdamW's first step makes (fused: a float32 step tensor on the parameter's device).
+        optimizer.state[key] = {"step": torch.zeros((), dtype=torch.float32, device=key.device),
+                                "exp_avg": torch.zeros_like(key), "exp_avg_sq": torch.zeros_like(key)}
+    return optimizer.state.get(key, {})
+
+
+def optimizer_steps(optimizer) -> float | None:
+    """Adam's step count (the same for every parameter), or None before the first step."""
+    inner = optimizer.inner
+    adam = inner.optimizer if isinstance(inner, DistributedOptimizer) else inner
+    for state in adam.state.values():
+        return float(state["step"])
+    return None
+
+
+def set_optimizer_steps(optimizer, steps: float) -> None:
+    inner = optimizer.inner
+    adam = inner.optimizer if isinstance(inner, DistributedOptimizer) else inner
+    for state in adam.state.values():
+        state["step"].fill_(steps)
+
+
+def master_state(model: nn.Module, optimizer) -> dict[str, Chunked] | None:
+    """The fp32 master weights of a distributed optimizer that keeps them apart from a bf16
+    model, under the model's keys: saved instead of the bf16 copy, so that the stored weights
+    are exact in any layout. None when the model's weights are their own masters."""
+    inner = optimizer.inner
+    if not isinstance(inner, DistributedOptimizer) or all(m is v for m, v, _, _ in inner._masters):
+        return None
+    names = {param: _name(name) for name, param in model.named_parameters()}
+    state: dict[str, Chunked] = {}
+    for master, _, param, offset in inner._masters:
+        chunked = state.setdefault(f"model.{names[param]}", Chunked(_spec(param).full_shape, []))
+        chunked.blocks += [b for view, origin in _flat_range_rectangles(master, offset, tuple(param.shape))
+                           for b in _to_full(_spec(param), view, origin)]
+    return state

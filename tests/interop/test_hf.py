@@ -1,0 +1,97 @@
+"""Hugging Face interop against transformers itself: tiny random models of each family,
+built from configs (nothing downloaded).
+
+Logits: tessera and transformers compute the same fp32 maths in a different order
+(fused QKV GEMM, RoPE tables in float64 vs float32), so they agree to rounding, well
+inside the 1e-4 bound. The round trip HF -> tessera -> HF must be bit-exact.
+"""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from tessera.cli import run  # noqa: E402
+from tessera.interop.hf import load_hf, read_hf_dir  # noqa: E402
+from tessera.interop.hf_config import UnsupportedModel, model_config_from_hf  # noqa: E402
+
+VOCAB = 101  # not a multiple of anything: exercises padding on import and cutting on export
+_LLAMA = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=32)
+FAMILIES = {
+    "llama3-gqa-untied": lambda: transformers.LlamaConfig(**_LLAMA, num_key_value_heads=2, rope_theta=500000.0),
+    "llama2-mha-tied": lambda: transformers.LlamaConfig(**_LLAMA, num_key_value_heads=4, tie_word_embeddings=True),
+    "mistral-gqa": lambda: transformers.MistralConfig(**_LLAMA, num_key_value_heads=2, rope_theta=1e6,
+                                                      sliding_window=None),
+    "qwen2-qkv-bias-tied": lambda: transformers.Qwen2Config(**_LLAMA, num_key_value_heads=1, rope_theta=1e6,
+                                                            tie_word_embeddings=True),
+    "qwen2-untied": lambda: transformers.Qwen2Config(**_LLAMA, num_key_value_heads=2, tie_word_embeddings=False),
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=32,
+                                            bos_token_id=0, eos_token_id=0),
+}
+
+
+def _hf_model(family: str, path):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(FAMILIES[family]()).eval()
+    with torch.no_grad():  # random biases and norm weights: zeros and ones would hide mix-ups
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name or "ln_" in name:
+                param.normal_(0.5 if "norm" in name or "ln_" in name else 0.0, 0.1)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_transformers(family, tmp_path):
+    reference = _hf_model(family, tmp_path)
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(ids).logits
+        actual = load_hf(tmp_path)(ids)
+    assert actual.shape == expected.shape
+    assert (actual - expected).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_round_trip_through_a_tessera_checkpoint_is_exact(family, tmp_path):
+    _hf_model(family, tmp_path / "hf")
+    assert run(["convert", "hf-to-tessera", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "ckpt")]) == 0
+    assert run(["convert", "tessera-to-hf", "--input", str(tmp_path / "ckpt"), "--output", str(tmp_path / "out")]) == 0
+    original_config, original = read_hf_dir(tmp_path / "hf")
+    config, tensors = read_hf_dir(tmp_path / "out")
+    assert tensors.keys() == original.keys()
+    for name, tensor in original.items():
+        assert tensors[name].dtype == tensor.dtype and torch.equal(tensors[name], tensor), name
+    # transformers itself loads the export, with nothing missing or left over
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert config["model_type"] == original_config["model_type"]
+
+
+def test_large_models_are_written_in_shards_with_an_index(tmp_path):
+    _hf_model("llama2-mha-tied", tmp_path / "hf")
+    run(["convert", "hf-to-tessera", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "ckpt")])
+    run(["convert", "tessera-to-hf", "--input", str(tmp_path / "ckpt"), "--output", str(tmp_path / "out"),
+         "--max-shard-size-gb", str(40_000 / 2**30)])
+    assert len(list((tmp_path / "out").glob("model-*-of-*.safetensors"))) > 1
+    assert (tmp_path / "out" / "model.safetensors.index.json").is_file()
+    _, original = read_hf_dir(tmp_path / "hf")
+    _, tensors = read_hf_dir(tmp_path / "out")
+    assert all(torch.equal(tensors[k], v) for k, v in original.items())
+
+
+def test_rope_theta_is_read_from_either_transformers_version():
+    v4 = dict(model_type="llama", **_LLAMA, rope_theta=123.0)
+    v5 = dict(model_type="llama", **_LLAMA, rope_parameters={"rope_type": "default", "rope_theta": 456.0})
+    assert model_config_from_hf(v4).rotary_base == 123.0
+    assert model_config_from_hf(v5).rotary_base == 456.0
+
+
+def test_features_tessera_does_not_compute_are_refused():
+    scaled = dict(model_type="llama", **_LLAMA, rope_scaling={"rope_type": "llama3", "factor": 8.0})
+    with pytest.raises(UnsupportedModel, match="llama3"):
+        model_config_from_hf(scaled)
+    with pytest.raises(UnsupportedModel, match="sliding_window"):
+        model_config_from_hf(dict(model_type="mistral", **_LLAMA, sliding_window=16))
