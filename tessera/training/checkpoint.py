@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 import yaml
 
 from tessera.config import ConfigError, ModelConfig, RunConfig, flag
@@ -90,6 +91,11 @@ def _atomic_write(path: Path, text: str) -> None:
 def _warn(message: str) -> None:
     if _rank() == 0:
         print(f"tessera checkpoint: warning: {message}", file=sys.stderr, flush=True)
+
+
+def _info(message: str) -> None:
+    if _rank() == 0:
+        print(f"tessera checkpoint: {message}", flush=True)
 
 
 def _rank() -> int:
@@ -157,6 +163,17 @@ def _check_tensors(state: dict[str, Any], metadata: dict, directory: Path) -> No
 
 
 # -- the trainer's side -----------------------------------------------------------------
+
+def raise_if_not_finite(result, iteration: int, *, check_grads: bool = True) -> None:
+    """Stop the run on a NaN/Inf loss (or gradient norm): the optimizer has already skipped
+    this update (its step is conditional on a finite norm), so nothing bad is applied."""
+    values = torch.stack([result.loss, result.grad_norm] if check_grads else [result.loss])
+    if not torch.isfinite(values).all():
+        raise FloatingPointError(
+            f"NaN or Inf in the loss or gradients at iteration {iteration} (loss {float(result.loss)}, grad norm "
+            f"{float(result.grad_norm)}); the update was not applied. --no-check-for-nan-in-loss-and-grad "
+            "skips such iterations instead of stopping")
+
 
 def _layout(trainer) -> dict[str, int]:
     mesh = trainer.mesh
@@ -286,11 +303,11 @@ class Checkpointer:
         for directory in candidates:
             try:
                 self._load_from(directory, trainer)
-                trainer.metrics.info(f"loaded {directory} (iteration {trainer.iteration})")
+                _info(f"loaded {directory} (iteration {trainer.iteration})")
                 return
             except ConfigError:
                 raise
-            except Exception as exc:  # noqa: BLE001 -- a corrupt checkpoint: fall back to an older one
+            except (Exception, CheckpointException) as exc:  # noqa: BLE001 -- corrupt: fall back to an older one
                 _warn(f"skipping {directory}: cannot be read ({type(exc).__name__}: {str(exc)[:300]})")
         raise RuntimeError(f"--load {root}: none of its checkpoints could be read")
 

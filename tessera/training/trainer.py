@@ -31,6 +31,7 @@ from tessera.parallel.mesh import Mesh, init_distributed
 from tessera.parallel.pipeline import PipelineGroups, PipelineRunner, stage_layer_ranges
 from tessera.parallel.pipeline_schedules import build_schedule
 from tessera.perf.flops import count_parameters, flops_per_iteration
+from tessera.training.checkpoint import Checkpointer, raise_if_not_finite
 from tessera.training.metrics import IterationStats, MetricsWriter, peak_memory_gb, resolve_peak_tflops
 from tessera.training.optimizer import build_optimizer
 from tessera.training.precision import LossScaler, autocast, autocast_dtype
@@ -92,8 +93,11 @@ class Trainer:
         self.consumed_samples = 0
         self.skipped_iterations = 0
         self.nan_iterations = 0
+        self.checkpointer = Checkpointer(config, self.device)
+        if config.checkpoint.load:
+            self.checkpointer.load(self)  # model, optimizer, iteration, consumed samples, RNG
         self._attention = _attention_backend(train.attention_backend, self.device)
-        self.train_data = self.data.micro_batches("train", consumed_samples=0)
+        self.train_data = self.data.micro_batches("train", consumed_samples=self.consumed_samples)
         self.valid_data = self.data.micro_batches("valid", consumed_samples=0) if train.eval_interval else None
         self.metrics = MetricsWriter(
             flops_per_iteration=flops_per_iteration(config.model, train.global_batch_size,
@@ -249,6 +253,8 @@ class Trainer:
         with self._attention:
             while self.iteration < train.train_iters:
                 pending.append(self.train_step())
+                if train.check_for_nan_in_loss_and_grad:
+                    raise_if_not_finite(pending[-1], self.iteration, check_grads=not train.fp16)
                 if self.iteration % train.log_interval == 0 or self.iteration == train.train_iters:
                     self._synchronize()
                     seconds = (time.perf_counter() - interval_start) / len(pending)
@@ -260,10 +266,10 @@ class Trainer:
                                             or self.iteration == train.train_iters):
                     self.metrics.log_eval(self.iteration, self.evaluate())
                     interval_start = time.perf_counter()  # evaluation is not training time
-                if train.exit_interval and self.iteration % train.exit_interval == 0:
-                    self.metrics.info(f"exiting at iteration {self.iteration} (--exit-interval)")
+                if self.checkpointer.after_iteration(self):  # saves when due; exit interval, SIGTERM, ...
                     break
         history += [r.resolve() for r in pending]
+        self.checkpointer.finish(self)
         self.metrics.close()
         return history
 
