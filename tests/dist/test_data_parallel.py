@@ -20,6 +20,7 @@ LAYOUTS = {
         "TP=2 + SP": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     },
     4: {
+        "DP=4": [],
         "DP=4 overlap": ["--overlap-grad-reduce", "--ddp-bucket-size", "30000"],
         "DP=4 distributed optimizer": ["--use-distributed-optimizer", "--overlap-grad-reduce"],
         "TP=4 (2 KV groups replicated)": ["--tensor-model-parallel-size", "4"],
@@ -91,3 +92,16 @@ def test_distributed_optimizer_shards_the_state():
     replicated = run_distributed(_state_bytes, 2, [])[0]
     sharded = run_distributed(_state_bytes, 2, ["--use-distributed-optimizer"])
     assert all(abs(s - replicated / 2) < 0.01 * replicated for s in sharded)
+
+
+FP16 = ["--fp16", "--initial-loss-scale", str(2.0**30), "--hysteresis", "1"]
+
+
+def test_fp16_overflow_skips_agree_across_ranks():
+    """fp16 with a scale that overflows at first: every rank skips the same iterations, and
+    the run matches the single-process one (loss, norm, parameters)."""
+    reference = train(FP16)
+    assert any(norm != norm or norm == float("inf") for norm in reference["grad_norm"])  # overflowed
+    results = run_distributed(equivalence.train_layouts, 2,
+                              {"dist-opt": FP16 + ["--use-distributed-optimizer", "--overlap-grad-reduce"]})
+    assert_equivalent(reference, results[0]["dist-opt"], "DP=2 fp16 distributed optimizer")

@@ -79,3 +79,26 @@ def test_evaluation_and_json_log(tmp_path):
 def test_exit_interval_stops_early():
     trainer = Trainer(run_config("--train-iters", "10", "--exit-interval", "4"))
     assert len(trainer.train()) == 4 and trainer.iteration == 4
+
+
+def test_trains_and_evaluates_on_preprocessed_text(tmp_path):
+    """--data-path: JSONL -> .bin/.idx (byte tokenizer) -> training with a validation split."""
+    from tessera.config import DataConfig
+    from tessera.data.preprocess import preprocess
+
+    corpus = tmp_path / "corpus.jsonl"
+    lines = [json.dumps({"text": f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * 8})
+             for i in range(60)]
+    corpus.write_text("\n".join(lines) + "\n")
+    preprocess([str(corpus)], str(tmp_path / "corpus"), DataConfig(tokenizer_type="ByteTokenizer"),
+               append_eod=True)
+    log = tmp_path / "log.jsonl"
+    trainer = Trainer(run_config(
+        "--data-path", str(tmp_path / "corpus_text_document"), "--split", "90,10,0",
+        "--tokenizer-type", "ByteTokenizer", "--data-cache-path", str(tmp_path / "cache"),
+        "--vocab-size", "257", "--train-iters", "30", "--lr", "1e-2", "--lr-decay-style", "constant",
+        "--eval-interval", "15", "--eval-iters", "2", "--log-interval", "15", "--log-json", str(log)))
+    history = trainer.train()
+    assert history[-1].loss < 0.7 * history[0].loss     # the repeated sentence is learnable
+    evals = [json.loads(line) for line in log.read_text().splitlines() if "eval_loss" in line]
+    assert len(evals) == 2 and evals[1]["eval_loss"] < evals[0]["eval_loss"]
