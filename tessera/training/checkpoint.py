@@ -164,17 +164,6 @@ def _check_tensors(state: dict[str, Any], metadata: dict, directory: Path) -> No
 
 # -- the trainer's side -----------------------------------------------------------------
 
-def raise_if_not_finite(result, iteration: int, *, check_grads: bool = True) -> None:
-    """Stop the run on a NaN/Inf loss (or gradient norm): the optimizer has already skipped
-    this update (its step is conditional on a finite norm), so nothing bad is applied."""
-    values = torch.stack([result.loss, result.grad_norm] if check_grads else [result.loss])
-    if not torch.isfinite(values).all():
-        raise FloatingPointError(
-            f"NaN or Inf in the loss or gradients at iteration {iteration} (loss {float(result.loss)}, grad norm "
-            f"{float(result.grad_norm)}); the update was not applied. --no-check-for-nan-in-loss-and-grad "
-            "skips such iterations instead of stopping")
-
-
 def _layout(trainer) -> dict[str, int]:
     mesh = trainer.mesh
     return {"tp": mesh.tp_size, "pp": mesh.pp_size, "dp": mesh.dp_size, "cp": mesh.cp_size}

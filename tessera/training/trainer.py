@@ -31,7 +31,8 @@ from tessera.parallel.mesh import Mesh, init_distributed
 from tessera.parallel.pipeline import PipelineGroups, PipelineRunner, stage_layer_ranges
 from tessera.parallel.pipeline_schedules import build_schedule
 from tessera.perf.flops import count_parameters, flops_per_iteration
-from tessera.training.checkpoint import Checkpointer, raise_if_not_finite
+from tessera.training.checkpoint import Checkpointer
+from tessera.training.nan_check import NonFiniteCheck
 from tessera.training.metrics import IterationStats, MetricsWriter, peak_memory_gb, resolve_peak_tflops
 from tessera.training.optimizer import build_optimizer
 from tessera.training.precision import LossScaler, autocast, autocast_dtype
@@ -93,6 +94,9 @@ class Trainer:
         self.consumed_samples = 0
         self.skipped_iterations = 0
         self.nan_iterations = 0
+        # fp16 overflows are expected (the loss scaler handles them): check the loss only.
+        self.nan_check = NonFiniteCheck(self.device, check_grads=not train.fp16) \
+            if train.check_for_nan_in_loss_and_grad else None
         self.checkpointer = Checkpointer(config, self.device)
         if config.checkpoint.load:
             self.checkpointer.load(self)  # model, optimizer, iteration, consumed samples, RNG
@@ -253,8 +257,8 @@ class Trainer:
         with self._attention:
             while self.iteration < train.train_iters:
                 pending.append(self.train_step())
-                if train.check_for_nan_in_loss_and_grad:
-                    raise_if_not_finite(pending[-1], self.iteration, check_grads=not train.fp16)
+                if self.nan_check is not None:
+                    self.nan_check.watch(self.iteration, pending[-1].loss, pending[-1].grad_norm)
                 if self.iteration % train.log_interval == 0 or self.iteration == train.train_iters:
                     self._synchronize()
                     seconds = (time.perf_counter() - interval_start) / len(pending)
@@ -268,6 +272,8 @@ class Trainer:
                     interval_start = time.perf_counter()  # evaluation is not training time
                 if self.checkpointer.after_iteration(self):  # saves when due; exit interval, SIGTERM, ...
                     break
+        if self.nan_check is not None:
+            self.nan_check.flush()
         history += [r.resolve() for r in pending]
         self.checkpointer.finish(self)
         self.metrics.close()
