@@ -8,13 +8,11 @@ inside the 1e-4 bound. The round trip HF -> tessera -> HF must be bit-exact.
 
 import pytest
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
-
-from tessera.cli import run  # noqa: E402
-from tessera.interop.hf import load_hf, read_hf_dir  # noqa: E402
-from tessera.interop.hf_config import UnsupportedModel, model_config_from_hf  # noqa: E402
+from tessera.cli import run
+from tessera.interop.hf import load_hf, read_hf_dir
+from tessera.interop.hf_config import UnsupportedModel, model_config_from_hf
 
 VOCAB = 101  # not a multiple of anything: exercises padding on import and cutting on export
 _LLAMA = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
