@@ -23,7 +23,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from tessera.config import RunConfig
+from tessera.config import ConfigError, RunConfig
 from tessera.data.mock import MockGPTDataset
 from tessera.models.gpt import GPTModel, Recompute, initialize_parameters
 from tessera.parallel.fsdp import apply_fsdp2
@@ -67,6 +67,9 @@ class Trainer:
     def __init__(self, config: RunConfig):
         self.config = config
         train, parallel = config.train, config.parallel
+        for name in ("context_parallel_size", "expert_model_parallel_size"):
+            if getattr(parallel, name) > 1:  # planned for (tessera plan models them), not trainable yet
+                raise ConfigError(f"--{name.replace('_', '-')} > 1: not implemented in the trainer yet")
         self.device = init_distributed(resolve_device(train.device))
         self.mesh = Mesh.build(parallel, self.device.type)
         self.data = _DataSource(config, self.mesh)

@@ -76,3 +76,10 @@ def test_flops_json_and_mfu():
 def test_unknown_command():
     result = tessera("trian")
     assert result.returncode == 2 and "unknown command 'trian'" in result.stderr
+
+
+def test_unimplemented_parallelism_is_refused_at_start():
+    result = tessera("train", "--model", "tiny-gpt", "--mock-data", "--lr", "1", "--train-iters", "1",
+                     "--context-parallel-size", "1", "--expert-model-parallel-size", "2")
+    assert result.returncode == 2
+    assert "--expert-model-parallel-size > 1: not implemented in the trainer yet" in result.stderr
