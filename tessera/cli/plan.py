@@ -89,7 +89,8 @@ def _fixed_layout(values: dict, args: argparse.Namespace, model: ModelConfig) ->
                     recompute=_setting(values, args, "recompute_granularity", "none"),
                     overlap_grad_reduce=bool(_setting(values, args, "overlap_grad_reduce")),
                     overlap_param_gather=bool(_setting(values, args, "overlap_param_gather")),
-                    tp_comm_overlap=bool(_setting(values, args, "tp_comm_overlap")))
+                    tp_comm_overlap=bool(_setting(values, args, "tp_comm_overlap")),
+                    compiled=_setting(values, args, "compile") is not False)  # tessera compiles on GPUs
     return layout, _setting(values, args, "global_batch_size", mbs * dp)
 
 

@@ -30,6 +30,7 @@ class Layout:
     overlap_grad_reduce: bool = True  # --overlap-grad-reduce
     overlap_param_gather: bool = True  # --overlap-param-gather
     tp_comm_overlap: bool = False     # --tp-comm-overlap
+    compiled: bool = False            # --compile: torch.compile per block (tessera's default on GPUs)
 
     @property
     def gpus(self) -> int:

@@ -74,7 +74,10 @@ def layer_activation_bytes(model: ModelConfig, layout: Layout, seq_length: int,
     if layout.recompute == "full":
         return 2 * s * b * h / (t if layout.sequence_parallel else 1)
     gated = 2 if model.swiglu else 1
-    tensor_sharded = 2 * s * b * (q + 2 * kv) + 2 * s * b * q + 2 * s * b * f * gated + 2 * s * b * f
+    # With torch.compile the fused activation kernel recomputes the MLP's activated output
+    # (fc2's input) from fc1's output in backward instead of saving it (Inductor's min-cut).
+    fc2_input = 0.0 if layout.compiled else 2 * s * b * f
+    tensor_sharded = 2 * s * b * (q + 2 * kv) + 2 * s * b * q + 2 * s * b * f * gated + fc2_input
     if layout.recompute != "selective":
         if fused_attention:
             tensor_sharded += 4 * s * b * a
