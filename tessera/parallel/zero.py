@@ -79,6 +79,11 @@ class DistributedOptimizer:
             moments = 2 * sum(m.numel() * 4 for m, _, _, _ in self._masters)
         return moments + masters
 
+    def slices(self) -> list[tuple[torch.Tensor, torch.Tensor, nn.Parameter, int]]:
+        """(fp32 master, model-weight view, parameter, flat offset in it) of every slice this
+        rank owns; master and view are the same tensor when the weights are fp32."""
+        return list(self._masters)
+
     def local_grads_with_offsets(self) -> list[tuple[torch.Tensor, nn.Parameter, int]]:
         """(reduced gradient slice this rank owns, its parameter, the slice's flat offset in it)."""
         return [(master.grad, param, offset) for master, _, param, offset in self._masters]

@@ -173,7 +173,7 @@ def _rng_state(trainer) -> dict[str, Any]:
     cuda = trainer.device.type == "cuda"
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state(trainer.device) if cuda else None,
-            "dropout": {device: state.clone() for device, state in trainer.model.dropout_rng._states.items()}}
+            "dropout": trainer.model.dropout_rng.state_dict()}
 
 
 def _set_rng_state(trainer, state: dict[str, Any]) -> None:
@@ -182,7 +182,7 @@ def _set_rng_state(trainer, state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None and trainer.device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda"], trainer.device)
-    trainer.model.dropout_rng._states = dict(state["dropout"])
+    trainer.model.dropout_rng.load_state_dict(state["dropout"])
 
 
 def training_state(trainer) -> dict[str, Any]:

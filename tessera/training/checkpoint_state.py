@@ -176,7 +176,7 @@ def optimizer_state(model: nn.Module, optimizer, *, create: bool = False) -> dic
         shapes[key] = _spec(param).full_shape
 
     if isinstance(inner, DistributedOptimizer):
-        for master, _, param, offset in inner._masters:
+        for master, _, param, offset in inner.slices():
             state = _adam_state(inner.optimizer, master, create)
             shape = tuple(param.shape)
             for kind in ("exp_avg", "exp_avg_sq"):
@@ -222,11 +222,11 @@ def master_state(model: nn.Module, optimizer) -> dict[str, Chunked] | None:
     model, under the model's keys: saved instead of the bf16 copy, so that the stored weights
     are exact in any layout. None when the model's weights are their own masters."""
     inner = optimizer.inner
-    if not isinstance(inner, DistributedOptimizer) or all(m is v for m, v, _, _ in inner._masters):
+    if not isinstance(inner, DistributedOptimizer) or all(m is v for m, v, _, _ in inner.slices()):
         return None
     names = {param: _name(name) for name, param in model.named_parameters()}
     state: dict[str, Chunked] = {}
-    for master, _, param, offset in inner._masters:
+    for master, _, param, offset in inner.slices():
         chunked = state.setdefault(f"model.{names[param]}", Chunked(_spec(param).full_shape, []))
         chunked.blocks += [b for view, origin in _flat_range_rectangles(master, offset, tuple(param.shape))
                            for b in _to_full(_spec(param), view, origin)]
