@@ -111,7 +111,8 @@ class GPTModel(nn.Module):
                        self.dropout_rng if self.sequence_parallel else None)
 
     def run_layers(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
-                   attention_mask: torch.Tensor | None = None, layers: Sequence[nn.Module] | None = None) -> torch.Tensor:
+                   attention_mask: torch.Tensor | None = None,
+                   layers: Sequence[nn.Module] | None = None) -> torch.Tensor:
         """The blocks (default all this model holds; a pipeline chunk passes its own) over `hidden`."""
         seq_length = hidden.shape[1] * (self.tp_size if self.sequence_parallel else 1)
         rope = self.rotary(seq_length, position_ids) if self.rotary is not None else None

@@ -12,7 +12,8 @@ from tessera.parallel.pipeline_schedules import (
 from tessera.parallel.pipeline_simulation import ScheduleError, simulate
 
 # (schedule, pp_size, vp_size, num_micro_batches); interleaving needs m to be a multiple of p.
-CASES = sorted({(name, p, 1, m) for name in ("1f1b", "gpipe") for p in (2, 3, 4, 8) for m in (1, 2, p - 1, p, p + 1, 3 * p)}
+CASES = sorted({(name, p, 1, m) for name in ("1f1b", "gpipe") for p in (2, 3, 4, 8)
+                for m in (1, 2, p - 1, p, p + 1, 3 * p)}
                | {("1f1b", p, v, m) for p in (2, 3, 4) for v in (2, 3, 4) for m in (p, 2 * p, 4 * p)})
 
 
@@ -103,6 +104,7 @@ def test_simulator_catches_mismatched_and_deadlocking_transfers():
 def test_schedule_prints_one_line_per_rank_and_knows_each_chunks_last_backward():
     schedule = build_schedule("1f1b", 2, 4, 2)
     text = schedule.format()
-    assert "interleaved-1f1b" in text and "rank 0: F0 [send_act0.0->1]" in text and "rank 1: [recv_act0.0<-0] F0" in text
+    assert "interleaved-1f1b" in text and "rank 0: F0 [send_act0.0->1]" in text
+    assert "rank 1: [recv_act0.0<-0] F0" in text
     assert schedule.last_backwards(0) == {(3, 1), (3, 0)}
     assert str(Action(BACKWARD, 2, 1)) == "B2.1"
