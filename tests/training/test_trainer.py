@@ -102,3 +102,11 @@ def test_trains_and_evaluates_on_preprocessed_text(tmp_path):
     assert history[-1].loss < 0.7 * history[0].loss     # the repeated sentence is learnable
     evals = [json.loads(line) for line in log.read_text().splitlines() if "eval_loss" in line]
     assert len(evals) == 2 and evals[1]["eval_loss"] < evals[0]["eval_loss"]
+
+
+def test_compiled_blocks_train_like_eager():
+    """--compile (the default on GPUs) compiles each block and the head; same maths as eager."""
+    flags = ("--train-iters", "3", "--hidden-dropout", "0", "--attention-dropout", "0")
+    eager = losses(*flags, "--no-compile")
+    compiled = losses(*flags, "--compile")
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=0)
