@@ -29,6 +29,12 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 # -- reading and writing HF directories ---------------------------------------------
 
+
+# GPT-2 block modules: (Hugging Face name, tessera name); both directions use these.
+_GPT2_NORMS = (("ln_1", "input_norm"), ("ln_2", "post_attention_norm"))
+_GPT2_LINEARS = (("attn.c_attn", "attention.qkv"), ("attn.c_proj", "attention.proj"),
+                 ("mlp.c_fc", "mlp.fc1"), ("mlp.c_proj", "mlp.fc2"))  # Conv1D weights are [in, out]
+
 def read_hf_dir(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json dict, every tensor) of a local HF model directory (safetensors)."""
     from safetensors.torch import load_file
@@ -97,11 +103,10 @@ def tessera_state_from_hf(hf_config: dict, hf: dict[str, torch.Tensor], model: M
         out["position_embedding.weight"] = hf["wpe.weight"]
         for i in range(model.num_layers):
             src, dst = f"h.{i}.", f"layers.{i}."
-            for hf_name, name in (("ln_1", "input_norm"), ("ln_2", "post_attention_norm")):
+            for hf_name, name in _GPT2_NORMS:
                 for kind in ("weight", "bias"):
                     out[f"{dst}{name}.{kind}"] = hf[f"{src}{hf_name}.{kind}"]
-            for hf_name, name in (("attn.c_attn", "attention.qkv"), ("attn.c_proj", "attention.proj"),
-                                  ("mlp.c_fc", "mlp.fc1"), ("mlp.c_proj", "mlp.fc2")):
+            for hf_name, name in _GPT2_LINEARS:
                 out[f"{dst}{name}.weight"] = hf[f"{src}{hf_name}.weight"].t()  # Conv1D is [in, out]
                 out[f"{dst}{name}.bias"] = hf[f"{src}{hf_name}.bias"]
         out["final_norm.weight"], out["final_norm.bias"] = hf["ln_f.weight"], hf["ln_f.bias"]
@@ -134,11 +139,10 @@ def hf_state_from_tessera(state: dict[str, torch.Tensor], model: ModelConfig, fa
         out["transformer.wpe.weight"] = state["position_embedding.weight"]
         for i in range(model.num_layers):
             src, dst = f"layers.{i}.", f"transformer.h.{i}."
-            for hf_name, name in (("ln_1", "input_norm"), ("ln_2", "post_attention_norm")):
+            for hf_name, name in _GPT2_NORMS:
                 for kind in ("weight", "bias"):
                     out[f"{dst}{hf_name}.{kind}"] = state[f"{src}{name}.{kind}"]
-            for hf_name, name in (("attn.c_attn", "attention.qkv"), ("attn.c_proj", "attention.proj"),
-                                  ("mlp.c_fc", "mlp.fc1"), ("mlp.c_proj", "mlp.fc2")):
+            for hf_name, name in _GPT2_LINEARS:
                 out[f"{dst}{hf_name}.weight"] = state[f"{src}{name}.weight"].t()
                 out[f"{dst}{hf_name}.bias"] = state[f"{src}{name}.bias"]
         out["transformer.ln_f.weight"], out["transformer.ln_f.bias"] = state["final_norm.weight"], state["final_norm.bias"]

@@ -50,10 +50,15 @@ def _all_gather(x, group, dim):
     return out.movedim(0, dim).contiguous()
 
 
-def _reduce_scatter(x, group, dim):
+def _split_size(x, group, dim) -> tuple[int, int]:
     rank, size = rank_and_size(group)
     if x.shape[dim] % size:
         raise ValueError(f"dimension {dim} of size {x.shape[dim]} does not split over {size} ranks")
+    return rank, size
+
+
+def _reduce_scatter(x, group, dim):
+    _, size = _split_size(x, group, dim)
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
     dist.reduce_scatter_tensor(out, x, group=group)
@@ -61,9 +66,7 @@ def _reduce_scatter(x, group, dim):
 
 
 def _split(x, group, dim):
-    rank, size = rank_and_size(group)
-    if x.shape[dim] % size:
-        raise ValueError(f"dimension {dim} of size {x.shape[dim]} does not split over {size} ranks")
+    rank, size = _split_size(x, group, dim)
     return x.chunk(size, dim=dim)[rank].contiguous()
 
 
