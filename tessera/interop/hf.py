@@ -25,15 +25,14 @@ from tessera.interop.hf_config import hf_config_from_model, infer_family, model_
 
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-# -- reading and writing HF directories ---------------------------------------------
-
-
 # GPT-2 block modules: (Hugging Face name, tessera name); both directions use these.
 _GPT2_NORMS = (("ln_1", "input_norm"), ("ln_2", "post_attention_norm"))
 _GPT2_LINEARS = (("attn.c_attn", "attention.qkv"), ("attn.c_proj", "attention.proj"),
                  ("mlp.c_fc", "mlp.fc1"), ("mlp.c_proj", "mlp.fc2"))  # Conv1D weights are [in, out]
+
+
+# -- reading and writing HF directories ---------------------------------------------
+
 
 def read_hf_dir(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json dict, every tensor) of a local HF model directory (safetensors)."""
