@@ -159,7 +159,8 @@ class ParallelConfig:
     decoder_first_pipeline_num_layers: int | None = option(None, "layers on the first pipeline stage (the others split the rest evenly)")
     decoder_last_pipeline_num_layers: int | None = option(None, "layers on the last pipeline stage (the others split the rest evenly)")
     pipeline_schedule: str = option("1f1b", "pipeline schedule (1f1b interleaves with virtual stages)", ("1f1b", "gpipe"))
-    print_schedule: bool = option(False, "print every pipeline rank's schedule and exit")
+    print_schedule: bool = option(
+        False, "print every pipeline rank's schedule and exit (without torchrun: WORLD_SIZE=N tessera train ...)")
 
     def __post_init__(self) -> None:
         _positive(self, "tensor_model_parallel_size", "pipeline_model_parallel_size",

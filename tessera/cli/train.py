@@ -10,8 +10,28 @@ from tessera.config import ConfigError
 PROG = "tessera train"
 
 
+def print_schedule(config) -> None:
+    """--print-schedule: every pipeline rank's action list, from the config alone (no model)."""
+    from tessera.parallel.pipeline_schedules import build_schedule
+
+    parallel = config.parallel
+    if parallel.pipeline_model_parallel_size == 1:
+        print("no pipeline parallelism (--pipeline-model-parallel-size 1): no schedule")
+        return
+    schedule = build_schedule(parallel.pipeline_schedule, parallel.pipeline_model_parallel_size,
+                              config.num_micro_batches, parallel.virtual_pipeline_size(config.model.num_layers))
+    print(schedule.format())
+
+
 def main(argv: list[str]) -> int:
     config, _ = parse_run_config(argv, PROG, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    if config.parallel.print_schedule:
+        if int(os.environ.get("RANK", "0")) == 0:
+            try:
+                print_schedule(config)
+            except ConfigError as exc:
+                fail(PROG, str(exc))
+        return 0
     from tessera.training.trainer import Trainer  # after parsing: `--help` stays fast
 
     try:

@@ -249,10 +249,6 @@ class Trainer:
     def train(self) -> list[StepResult]:
         """Run to --train-iters (or --exit-interval); returns every iteration's resolved result."""
         train = self.config.train
-        if self.config.parallel.print_schedule:
-            if self.mesh.rank == 0:
-                print(self.schedule.format() if self.pipeline is not None else "no pipeline parallelism: no schedule")
-            return []
         self._log_start()
         history: list[StepResult] = []
         pending: list[StepResult] = []

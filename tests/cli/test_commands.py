@@ -1,6 +1,7 @@
 """The commands as a user runs them: `python -m tessera train/flops`, in a subprocess."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -83,3 +84,16 @@ def test_unimplemented_parallelism_is_refused_at_start():
                      "--context-parallel-size", "1", "--expert-model-parallel-size", "2")
     assert result.returncode == 2
     assert "--expert-model-parallel-size > 1: not implemented in the trainer yet" in result.stderr
+
+
+def test_print_schedule_without_launching():
+    result = subprocess.run(
+        [sys.executable, "-m", "tessera", "train", "--model", "tiny-llama", "--mock-data", "--lr", "1",
+         "--train-iters", "1", "--pipeline-model-parallel-size", "2", "--print-schedule",
+         "--micro-batch-size", "1", "--global-batch-size", "4"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "WORLD_SIZE": "2"})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("1f1b schedule: 2 pipeline ranks") and "bubble 20.0%" in lines[0]
+    rank0 = next(line for line in lines if line.startswith("rank 0:"))
+    assert rank0.count(" F") == 4 and rank0.count(" B") == 4   # every micro-batch forward and backward
