@@ -115,7 +115,10 @@ def _space(values: dict, args: argparse.Namespace, model: ModelConfig) -> Search
     virtual = _virtual_stages(values, args, model, pp) if pp else None
     return SearchSpace(tp=given("tensor_model_parallel_size"), pp=given("pipeline_model_parallel_size"),
                        cp=given("context_parallel_size"), virtual_stages=(virtual,) if virtual else None,
-                       micro_batch_size=given("micro_batch_size"), recompute=given("recompute_granularity"))
+                       micro_batch_size=given("micro_batch_size"), recompute=given("recompute_granularity"),
+                       # tessera's own runs: compiled blocks, TP communication not overlapped
+                       tp_comm_overlap=bool(_setting(values, args, "tp_comm_overlap")),
+                       compiled=_setting(values, args, "compile") is not False)
 
 
 def as_dict(prediction: Prediction, model: ModelConfig, capacity: float) -> dict:

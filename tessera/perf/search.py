@@ -42,6 +42,10 @@ class SearchSpace:
     virtual_stages: tuple[int, ...] | None = None
     micro_batch_size: tuple[int, ...] | None = None
     recompute: tuple[str, ...] | None = None
+    # What the framework does, not searched: Megatron with Transformer Engine overlaps TP
+    # communication and runs eager (the published runs); tessera compiles and does not overlap.
+    tp_comm_overlap: bool = True
+    compiled: bool = False
 
 
 def candidates(model: ModelConfig, gpus: int, gpus_per_node: int, global_batch_size: int, seq_length: int,
@@ -59,8 +63,8 @@ def candidates(model: ModelConfig, gpus: int, gpus_per_node: int, global_batch_s
         virtual = (space.virtual_stages or tuple(_divisors(model.num_layers // pp))) if pp > 1 else (1,)
         for vp in virtual:
             layout = Layout(tp=tp, pp=pp, dp=dp, cp=cp, virtual_stages=vp, micro_batch_size=mbs,
-                            sequence_parallel=tp > 1, tp_comm_overlap=tp > 1,
-                            distributed_optimizer=dp * cp > 1)
+                            sequence_parallel=tp > 1, tp_comm_overlap=space.tp_comm_overlap and tp > 1,
+                            distributed_optimizer=dp * cp > 1, compiled=space.compiled)
             try:
                 check_layout(model, layout, global_batch_size, seq_length)
             except ConfigError:
