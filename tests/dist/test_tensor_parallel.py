@@ -57,16 +57,22 @@ def _chunk(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:
 
 # -- layers ----------------------------------------------------------------------------
 
-def _column(group, *, sp=False, bias=True, gather_output=False, segments=None, splits=None) -> dict:
-    x_full = _randn(BATCH, SEQ, IN, seed=1).requires_grad_()
+def _reference_linear(bias: bool, seed: int):
+    """A full nn.Linear with seeded input, weights and output gradient, after its backward."""
+    x_full = _randn(BATCH, SEQ, IN, seed=seed).requires_grad_()
     reference = nn.Linear(IN, OUT, bias=bias)
     with torch.no_grad():
-        reference.weight.copy_(_randn(OUT, IN, seed=2))
+        reference.weight.copy_(_randn(OUT, IN, seed=seed + 1))
         if bias:
-            reference.bias.copy_(_randn(OUT, seed=3))
+            reference.bias.copy_(_randn(OUT, seed=seed + 2))
     y_full = reference(x_full)
-    g_full = _randn(*y_full.shape, seed=4)
+    g_full = _randn(*y_full.shape, seed=seed + 3)
     (y_full * g_full).sum().backward()
+    return x_full, reference, y_full, g_full
+
+
+def _column(group, *, sp=False, bias=True, gather_output=False, segments=None, splits=None) -> dict:
+    x_full, reference, y_full, g_full = _reference_linear(bias, seed=1)
 
     layer = ColumnParallelLinear(IN, OUT, bias=bias, init_std=0.02, segments=segments, splits=splits,
                                  tp_group=group, gather_output=gather_output, sequence_parallel=sp)
@@ -95,15 +101,7 @@ def _column(group, *, sp=False, bias=True, gather_output=False, segments=None, s
 
 
 def _row(group, *, sp=False, bias=True, input_is_parallel=True) -> dict:
-    x_full = _randn(BATCH, SEQ, IN, seed=5).requires_grad_()
-    reference = nn.Linear(IN, OUT, bias=bias)
-    with torch.no_grad():
-        reference.weight.copy_(_randn(OUT, IN, seed=6))
-        if bias:
-            reference.bias.copy_(_randn(OUT, seed=7))
-    y_full = reference(x_full)
-    g_full = _randn(*y_full.shape, seed=8)
-    (y_full * g_full).sum().backward()
+    x_full, reference, y_full, g_full = _reference_linear(bias, seed=5)
 
     layer = RowParallelLinear(IN, OUT, bias=bias, init_std=0.02, tp_group=group,
                               input_is_parallel=input_is_parallel, sequence_parallel=sp)
