@@ -56,11 +56,6 @@ class Chunked:
                 return view
         raise KeyError(f"no block at {tuple(offsets)}")
 
-    def staged(self) -> "Chunked":
-        """A copy in CPU memory, for writing in the background while training goes on."""
-        return Chunked(self.full_shape, [(o, v.detach().to("cpu", copy=True)) for o, v in self.blocks])
-
-
 class SavePlanner(DefaultSavePlanner):
     def __init__(self):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
