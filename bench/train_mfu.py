@@ -2,6 +2,8 @@
 
     python bench/train_mfu.py --config A [--warmup 10] [--steps 20] [--out result.json] [-- extra tessera flags]
     torchrun --nproc-per-node 2 bench/train_mfu.py --config A -- --tensor-model-parallel-size 2
+    torchrun --nproc-per-node 2 bench/train_mfu.py --config A -- --pipeline-model-parallel-size 2 \
+        --global-batch-size 64            # + --num-layers-per-virtual-pipeline-stage 6 to interleave
 
 Micro-batch 8 per data-parallel rank (global batch 8 x DP). With several GPUs, tokens/s is
 per GPU from the slowest rank's time, and memory is the fullest GPU's, as the anchors do.
@@ -12,7 +14,12 @@ A: GPT 1.3B (24 x 2048, 16 heads, GeLU ffn 8192, LayerNorm, learned positions, v
    over fp32 master weights, AdamW (0.9, 0.95, wd 0.1), clip 1.0, dropout 0, no recompute:
    exactly the shapes and timing of shared/anchors/NOTES.md, so the numbers compare with
    the peers' (10 warm-up steps, then 20 timed steps with a device sync at both ends).
-Prints one table row and writes JSON.
+Prints one table row and writes JSON. With pipeline parallelism it also runs
+--bubble-steps more steps, each followed by a device sync, and reports every stage's
+measured idle fraction beside the theoretical (p-1)/(v*m+p-1). --memory-trace FILE
+records the CUDA allocator's trace through the warm-up and writes, per rank, what is
+alive at the last warm-up step's peak, grouped by the line that allocated it
+(bench/memory_trace.py); the timed steps run after recording stops.
 """
 
 from __future__ import annotations
@@ -29,6 +36,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from memory_trace import format_breakdown, peak_breakdown, step_marker  # noqa: E402
 from tessera.cli.args import parse_run_config  # noqa: E402
 from tessera.perf.flops import flops_per_token  # noqa: E402
 from tessera.training.trainer import Trainer  # noqa: E402
@@ -47,53 +57,112 @@ def main() -> None:
     parser.add_argument("--config", choices=sorted(CONFIGS), default="A")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--bubble-steps", type=int, default=3, help="steps measuring the pipeline bubble (PP > 1)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100/H200)")
+    parser.add_argument("--memory-trace", help="write each rank's peak-memory breakdown to FILE.rank<N>.json")
     parser.add_argument("--out", help="write the result as JSON here")
     parser.add_argument("extra", nargs="*", help="more tessera flags (after --)")
     args = parser.parse_args()
-    flags = CONFIGS[args.config] + COMMON + ["--train-iters", str(args.warmup + args.steps)] + args.extra
+    flags = CONFIGS[args.config] + COMMON + ["--train-iters", str(args.warmup + args.steps + args.bubble_steps)] \
+        + args.extra
     world = int(os.environ.get("WORLD_SIZE", "1"))
     config, _ = parse_run_config(flags, "bench/train_mfu.py", world_size=world)
+    cuda = torch.cuda.is_available() and config.train.device != "cpu"
+    if args.memory_trace and cuda:
+        torch.cuda.memory._record_memory_history(stacks="python", max_entries=TRACE_ENTRIES)
     trainer = Trainer(config)
     for _ in range(args.warmup):
+        step_marker(trainer.device)
         trainer.train_step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    _synchronize(cuda)
+    if args.memory_trace and cuda:
+        _write_memory_trace(args.memory_trace, trainer.mesh.rank)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    static_gib = torch.cuda.memory_allocated() / 2**30 if cuda else 0.0
     if world > 1:
         dist.barrier()
     start = time.perf_counter()
     losses = [trainer.train_step().loss for _ in range(args.steps)]
-    torch.cuda.synchronize()
+    _synchronize(cuda)
     elapsed, peak_alloc, peak_reserved = _max_over_ranks(
-        [time.perf_counter() - start, torch.cuda.max_memory_allocated() / 2**30,
-         torch.cuda.max_memory_reserved() / 2**30])
+        [time.perf_counter() - start, torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+         torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0], trainer.device)
+    mesh = trainer.mesh
     tokens_per_gpu = args.steps * config.train.global_batch_size * config.model.seq_length / world
     tflops = flops_per_token(config.model, vocab_size=trainer.model.vocab_size) * tokens_per_gpu / elapsed / 1e12
     result = {
-        "row": "tessera", "config": args.config, "flags": flags, "gpus": world,
-        "layout": f"TP{trainer.mesh.tp_size} DP{trainer.mesh.dp_size}", "tokens_per_sec": tokens_per_gpu / elapsed,
-        "tokens_per_sec_total": tokens_per_gpu * world / elapsed,
+        "row": "tessera", "config": args.config, "flags": flags, "gpus": world, "layout": _layout(trainer),
+        "global_batch_size": config.train.global_batch_size, "num_micro_batches": config.num_micro_batches,
+        "tokens_per_sec": tokens_per_gpu / elapsed, "tokens_per_sec_total": tokens_per_gpu * world / elapsed,
         "ms_per_step": elapsed / args.steps * 1e3, "tflops_per_gpu": tflops, "mfu": tflops / args.peak_tflops,
-        "peak_alloc_gib": peak_alloc, "peak_reserved_gib": peak_reserved,
+        "peak_alloc_gib": peak_alloc, "peak_reserved_gib": peak_reserved, "static_alloc_gib_rank0": static_gib,
         "optimizer_state_gib": trainer.optimizer.state_bytes() / 2**30,
-        "first_loss": float(losses[0]), "last_loss": float(losses[-1]), "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
+        "first_loss": float(losses[0]), "last_loss": float(losses[-1]),
+        "gpu": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
     }
-    if trainer.mesh.rank != 0:
+    if mesh.pp_size > 1:
+        result["bubble_measured_per_stage"] = _measure_bubble(trainer, args.bubble_steps)
+        result["bubble_theory"] = trainer.schedule.theoretical_bubble()
+        result["schedule"] = trainer.schedule.name
+    if mesh.rank != 0:
         return
-    losses = [float(x) for x in losses]
+    bubble = ""
+    if "bubble_theory" in result:
+        bubble = (f" | bubble {' '.join(f'{b:.1%}' for b in result['bubble_measured_per_stage'])}"
+                  f" (theory {result['bubble_theory']:.1%})")
     print(f"RESULT tessera config {args.config} {world} GPU {result['layout']} {' '.join(args.extra)}: "
           f"{result['tokens_per_sec']:,.0f} tokens/s/GPU | "
           f"{result['ms_per_step']:.1f} ms/step | {tflops:.1f} TFLOP/s | MFU {result['mfu'] * 100:.1f}% | "
-          f"peak {result['peak_alloc_gib']:.1f}/{result['peak_reserved_gib']:.1f} GiB | loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+          f"peak {peak_alloc:.1f}/{peak_reserved:.1f} GiB | loss {result['first_loss']:.3f} -> "
+          f"{result['last_loss']:.3f}{bubble}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
 
 
-def _max_over_ranks(values: list[float]) -> list[float]:
+TRACE_ENTRIES = 2_000_000   # allocator events kept (a 1.3B model's build + a few steps is ~10^5)
+
+
+def _layout(trainer) -> str:
+    mesh, parallel = trainer.mesh, trainer.config.parallel
+    vp = parallel.virtual_pipeline_size(trainer.config.model.num_layers) if mesh.pp_size > 1 else 1
+    return (f"TP{mesh.tp_size}{'+SP' if parallel.sequence_parallel else ''} PP{mesh.pp_size}"
+            f"{f'x{vp}' if vp > 1 else ''} DP{mesh.dp_size}")
+
+
+def _measure_bubble(trainer, steps: int) -> list[float]:
+    """Mean idle fraction of each pipeline stage over `steps` more steps (synchronised)."""
+    measured = []
+    for _ in range(steps):
+        trainer.train_step()
+        measured.append(trainer.runner.measured_bubble())
+    mine = torch.tensor([sum(measured) / max(len(measured), 1)], device=trainer.device)
+    stages = [torch.zeros_like(mine) for _ in range(trainer.mesh.pp_size)]
+    dist.all_gather(stages, mine, group=trainer.mesh.group("pp"))
+    return [s.item() for s in stages]
+
+
+def _write_memory_trace(path: str, rank: int) -> None:
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    trace = snapshot["device_traces"][torch.cuda.current_device()]
+    result = peak_breakdown(trace)
+    result["trace_full"] = len(trace) >= TRACE_ENTRIES   # the oldest events were dropped: totals are low
+    target = Path(path)
+    target = target.with_name(f"{target.stem}.rank{rank}{target.suffix or '.json'}")
+    target.write_text(json.dumps(result, indent=1))
+    print(f"rank {rank} memory at the peak of the last warm-up step:\n{format_breakdown(result)}", flush=True)
+
+
+def _synchronize(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
     if not dist.is_initialized():
         return values
-    tensor = torch.tensor(values, device="cuda")
+    tensor = torch.tensor(values, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor.tolist()
 

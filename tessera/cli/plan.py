@@ -90,7 +90,8 @@ def _fixed_layout(values: dict, args: argparse.Namespace, model: ModelConfig) ->
                     overlap_grad_reduce=bool(_setting(values, args, "overlap_grad_reduce")),
                     overlap_param_gather=bool(_setting(values, args, "overlap_param_gather")),
                     tp_comm_overlap=bool(_setting(values, args, "tp_comm_overlap")),
-                    compiled=_setting(values, args, "compile") is not False)  # tessera compiles on GPUs
+                    compiled=_setting(values, args, "compile") is not False,  # tessera compiles on GPUs
+                    framework="tessera")
     return layout, _setting(values, args, "global_batch_size", mbs * dp)
 
 
@@ -118,7 +119,7 @@ def _space(values: dict, args: argparse.Namespace, model: ModelConfig) -> Search
                        micro_batch_size=given("micro_batch_size"), recompute=given("recompute_granularity"),
                        # tessera's own runs: compiled blocks, TP communication not overlapped
                        tp_comm_overlap=bool(_setting(values, args, "tp_comm_overlap")),
-                       compiled=_setting(values, args, "compile") is not False)
+                       compiled=_setting(values, args, "compile") is not False, framework="tessera")
 
 
 def as_dict(prediction: Prediction, model: ModelConfig, capacity: float) -> dict:

@@ -31,6 +31,7 @@ class Layout:
     overlap_param_gather: bool = True  # --overlap-param-gather
     tp_comm_overlap: bool = False     # --tp-comm-overlap
     compiled: bool = False            # --compile: torch.compile per block (tessera's default on GPUs)
+    framework: str = "megatron"       # whose trainer: "megatron" (Megatron-Core's precision and layouts) or "tessera"
 
     @property
     def gpus(self) -> int:

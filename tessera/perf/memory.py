@@ -1,10 +1,18 @@
 """Bytes per GPU of a training step: weights, gradients, optimizer state, activations, logits.
 
-Precision is Megatron's bf16 scheme: bf16 weights (2 bytes), fp32 main gradients (4) and
-an fp32 master copy plus Adam's two moments in the optimizer (12): 18 bytes per
-parameter, of which the distributed optimizer shards the 12 over data parallel (x context
-parallel) and FSDP shards all 18. (tessera's single-GPU AMP trainer holds fp32 weights,
-their bf16 casts, fp32 gradients and the two moments: the same 18 bytes.)
+Two trainers are modelled (`Layout.framework`), each checked against measured peaks:
+
+- Megatron-Core (the published runs): bf16 weights (2 bytes), fp32 main gradients (4) and
+  an fp32 master copy plus Adam's two moments (12): 18 bytes per parameter, of which the
+  distributed optimizer shards the 12 over data parallel (x context parallel) and FSDP
+  all 18.
+- tessera: with the distributed optimizer the same scheme. Without it, fp32 weights that
+  are also Adam's masters (4), their bf16 casts kept by autocast from forward to backward
+  (2), the two moments (8), and fp32 gradients (4) only where they outlive a backward: a
+  data-parallel bucket buffer, several micro-batches, or a pipeline's interleaved
+  backwards; one micro-batch on one GPU peaks at the end of forward with none. Measured on
+  one and two H200s (docs/scaling.md, "Calibration"): bench/train_mfu.py --memory-trace
+  charges every live block at the peak to the line that allocated it.
 
 Activations follow Korthikanti et al. 2022 ("Reducing activation recomputation"), term by
 term, so GQA, SwiGLU, dropout and fused attention change the right terms. Per layer and
@@ -20,6 +28,11 @@ micro-batch, with s = sequence (per CP rank), b = micro-batch, t = TP:
 For GPT (q = kv = h, f = 4h, dropout, unfused) this is the paper's sbh(34 + 5as/h) at
 TP = 1, sbh(10 + 24/t + 5as/(ht)) with TP and sbh(34 + 5as/h)/t with SP. Selective
 recompute drops the core-attention term; full recompute keeps only each layer's input.
+tessera's layers differ where its saved tensors (counted with saved-tensor hooks,
+tests/perf/test_memory.py) do: the residual stream is fp32 when the weights are (norm
+inputs 4 bytes); a compiled block saves only the first norm's input but also copies the
+fused kernel's output into the projection's input (both saved); RoPE's rotated Q and K are saved beside the QKV output (which V, a view of it,
+keeps alive), and under SP the QKV and fc1 inputs are saved all-gathered.
 
 The pipeline decides how many micro-batches are alive: under 1F1B the first stage holds
 min(p, m) of them; under the interleaved schedule min(m*v, 2(p-1) + (v-1)p + 1) model
@@ -69,22 +82,34 @@ def layer_activation_bytes(model: ModelConfig, layout: Layout, seq_length: int,
     q = model.num_attention_heads * model.kv_channels
     kv = model.num_query_groups * model.kv_channels
     t = layout.tp
-    masks = 2 * s * b * h if model.hidden_dropout > 0 else 0.0
-    sequence_sharded = 4 * s * b * h + 2 * s * b * h + 2 * s * b * h + masks
+    sp = t if layout.sequence_parallel else 1
+    tessera = layout.framework == "tessera"
+    residual = _residual_bytes(layout)
     if layout.recompute == "full":
-        return 2 * s * b * h / (t if layout.sequence_parallel else 1)
+        return residual * s * b * h / sp
+    norm_inputs = (1 if tessera and layout.compiled else 2) * residual * s * b * h
+    masks = 2 * s * b * h if model.hidden_dropout > 0 else 0.0
+    gemm_inputs = 2 * s * b * h + 2 * s * b * h   # QKV and fc1
     gated = 2 if model.swiglu else 1
-    # With torch.compile the fused activation kernel recomputes the MLP's activated output
-    # (fc2's input) from fc1's output in backward instead of saving it (Inductor's min-cut).
-    fc2_input = 0.0 if layout.compiled else 2 * s * b * f
-    tensor_sharded = 2 * s * b * (q + 2 * kv) + 2 * s * b * q + 2 * s * b * f * gated + fc2_input
+    tensor_sharded = 2 * s * b * (q + 2 * kv) + 2 * s * b * q + 2 * s * b * f * gated + 2 * s * b * f
+    if tessera and model.position_embedding_type == "rope":
+        tensor_sharded += 2 * s * b * (q + kv)   # rotated Q and K, beside the QKV output that V is a view of
     if layout.recompute != "selective":
         if fused_attention:
-            tensor_sharded += 4 * s * b * a
+            # A compiled block also saves the projection's input, a copy of the kernel's output.
+            tensor_sharded += 4 * s * b * a + (2 * s * b * q if tessera and layout.compiled else 0.0)
         else:
             per_score = 5 if model.attention_dropout > 0 else 2   # scores, and mask + dropout output
             tensor_sharded += per_score * a * s * s * b
-    return sequence_sharded / (t if layout.sequence_parallel else 1) + tensor_sharded / t
+    if tessera:   # the all-gathered GEMM inputs are what autograd keeps
+        return (norm_inputs + masks) / sp + gemm_inputs * (t if layout.sequence_parallel else 1) / t \
+            + tensor_sharded / t
+    return (norm_inputs + masks + gemm_inputs) / sp + tensor_sharded / t
+
+
+def _residual_bytes(layout: Layout) -> int:
+    """Bytes per element of the residual stream: bf16, except in tessera's fp32-weight runs."""
+    return 4 if layout.framework == "tessera" and not (layout.distributed_optimizer or layout.fsdp) else 2
 
 
 def chunks_in_flight(layout: Layout, num_micro_batches: int, stage: int) -> int:
@@ -131,29 +156,45 @@ def estimate_memory(model: ModelConfig, layout: Layout, global_batch_size: int, 
 def _stage_memory(model: ModelConfig, layout: Layout, global_batch_size: int, seq_length: int,
                   vocab: int, stage: str) -> MemoryBreakdown:
     params = stage_parameters(model, layout, vocab, stage)
-    shards = layout.dp * layout.cp
-    weights, gradients, optimizer = 2.0 * params, 4.0 * params, 12.0 * params
+    num_micro_batches = layout.num_micro_batches(global_batch_size)
+    weights, gradients, optimizer = _state_bytes_per_parameter(layout, num_micro_batches)
+    weights, gradients, optimizer = weights * params, gradients * params, optimizer * params
     buffers = 0.0
     if layout.fsdp:
-        weights, gradients, optimizer = weights / shards, gradients / shards, optimizer / shards
         # The layer being computed and the one being prefetched, unsharded (bf16 weights, fp32 grads).
         buffers += 2 * 6.0 * _params_per_layer(model) / layout.tp
-    elif layout.distributed_optimizer:
-        optimizer /= shards
 
     s, b, h = seq_length / layout.cp, layout.micro_batch_size, model.hidden_size
     per_layer = layer_activation_bytes(model, layout, seq_length)
     layers_per_chunk = model.num_layers / (layout.pp * layout.virtual_stages)
     index = layout.pp - 1 if stage == "last" else 0
-    chunks = chunks_in_flight(layout, layout.num_micro_batches(global_batch_size), index)
+    chunks = chunks_in_flight(layout, num_micro_batches, index)
     activations = chunks * layers_per_chunk * per_layer
     if layout.recompute == "full":
         # Backward recomputes one layer at a time: its full activations exist briefly.
         activations += layer_activation_bytes(model, replace(layout, recompute="none"), seq_length)
-    logits = 6.0 * s * b * vocab / layout.tp if stage in ("last", "only") else 0.0  # bf16 logits + fp32 softmax
-    if layout.sequence_parallel:
-        buffers += 2.0 * s * b * h  # the all-gathered input of the GEMM being computed
+    # bf16 logits + the fp32 softmax (or its gradient); tessera's compiled loss at TP = 1
+    # fuses the softmax into the loss kernel and keeps only the bf16 logits.
+    per_logit = 2.0 if layout.framework == "tessera" and layout.compiled and layout.tp == 1 else 6.0
+    logits = per_logit * s * b * vocab / layout.tp if stage in ("last", "only") else 0.0
+    if layout.sequence_parallel and layout.framework == "megatron":
+        buffers += 2.0 * s * b * h  # the all-gathered input of the GEMM being computed (tessera saves it)
     return MemoryBreakdown(weights, gradients, optimizer, activations, logits, buffers, stage)
+
+
+def _state_bytes_per_parameter(layout: Layout, num_micro_batches: int) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) bytes per parameter at the step's peak."""
+    shards = layout.dp * layout.cp
+    if layout.fsdp:
+        return 2.0 / shards, 4.0 / shards, 12.0 / shards
+    if layout.distributed_optimizer:
+        return 2.0, 4.0, 12.0 / shards
+    if layout.framework == "megatron":
+        return 2.0, 4.0, 12.0
+    # tessera, fp32 weights: + their autocast bf16 casts; gradients exist at the peak only
+    # if something keeps them across a backward.
+    kept = shards > 1 or num_micro_batches > 1 or layout.pp > 1
+    return 4.0 + 2.0, 4.0 if kept else 0.0, 8.0
 
 
 def usable_bytes(memory_gib: float) -> float:

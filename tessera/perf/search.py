@@ -46,6 +46,7 @@ class SearchSpace:
     # communication and runs eager (the published runs); tessera compiles and does not overlap.
     tp_comm_overlap: bool = True
     compiled: bool = False
+    framework: str = "megatron"
 
 
 def candidates(model: ModelConfig, gpus: int, gpus_per_node: int, global_batch_size: int, seq_length: int,
@@ -64,7 +65,8 @@ def candidates(model: ModelConfig, gpus: int, gpus_per_node: int, global_batch_s
         for vp in virtual:
             layout = Layout(tp=tp, pp=pp, dp=dp, cp=cp, virtual_stages=vp, micro_batch_size=mbs,
                             sequence_parallel=tp > 1, tp_comm_overlap=space.tp_comm_overlap and tp > 1,
-                            distributed_optimizer=dp * cp > 1, compiled=space.compiled)
+                            distributed_optimizer=dp * cp > 1, compiled=space.compiled,
+                            framework=space.framework)
             try:
                 check_layout(model, layout, global_batch_size, seq_length)
             except ConfigError:
