@@ -192,8 +192,10 @@ def _set_rng_state(trainer, state: dict[str, Any]) -> None:
 
 def training_state(trainer) -> dict[str, Any]:
     """Everything an exact resume needs, as DCP entries."""
-    state: dict[str, Any] = model_state(trainer.model)
-    state.update(master_state(trainer.model, trainer.optimizer) or {})
+    # With bf16 weights beside a distributed optimizer's fp32 masters, only the masters are
+    # saved (each rank its slices): adding the bf16 copy would put two versions of the same
+    # block in the plan, and DCP keeps one of them.
+    state: dict[str, Any] = master_state(trainer.model, trainer.optimizer) or model_state(trainer.model)
     state.update(optimizer_state(trainer.model, trainer.optimizer))
     state["train_state"] = {
         "iteration": trainer.iteration, "consumed_samples": trainer.consumed_samples,

@@ -48,6 +48,8 @@ def reference():
 EXACT = {
     "TP=2": ["--tensor-model-parallel-size", "2"],
     "DP=2 distributed optimizer": ["--use-distributed-optimizer"],
+    # bf16 weights beside sharded fp32 masters: the masters, not the bf16 copy, must be saved.
+    "DP=2 distributed optimizer, bf16": ["--use-distributed-optimizer", "--bf16"],
     "FSDP2 DP=2": ["--use-torch-fsdp2"],
     "PP=2": ["--pipeline-model-parallel-size", "2"],
 }
