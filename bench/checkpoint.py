@@ -72,7 +72,7 @@ def main() -> None:
         save = {"iteration": trainer.iteration, "blocked_seconds": blocked}
         if args.async_save:
             steps = []   # train while the write runs, as the run would
-            while _on_any_rank(checkpointer._writer is not None and checkpointer._writer.is_alive(), trainer.device):
+            while _on_any_rank(checkpointer.writing, trainer.device):
                 steps += _timed_steps(trainer, 1)
             checkpointer.wait()
             save["write_seconds"] = time.perf_counter() - start

@@ -271,6 +271,11 @@ class Checkpointer:
         except BaseException as exc:  # noqa: BLE001 -- re-raised in the training thread by wait()
             self._writer_error = exc
 
+    @property
+    def writing(self) -> bool:
+        """A background save is still being written."""
+        return self._writer is not None and self._writer.is_alive()
+
     def wait(self) -> None:
         """Block until a background save has finished; raise its error if it failed."""
         if self._writer is not None:
