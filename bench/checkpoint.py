@@ -100,9 +100,9 @@ def main() -> None:
     for save in result["saves"]:
         extra = (f", write {save['write_seconds']:.1f} s with {save['steps_during_write']} steps at "
                  f"{save['step_seconds_during_write'] or 0:.3f} s" if args.async_save else "")
-        print(f"RESULT checkpoint config {args.config} {world} GPU {mode} {args.write_threads} threads save iteration {save['iteration']}: "
-              f"{save['size_gib']:.2f} GiB, training blocked {save['blocked_seconds']:.2f} s{extra} "
-              f"(step {step_seconds:.3f} s)", flush=True)
+        print(f"RESULT checkpoint config {args.config} {world} GPU {mode} {args.write_threads} threads "
+              f"save iteration {save['iteration']}: {save['size_gib']:.2f} GiB, "
+              f"training blocked {save['blocked_seconds']:.2f} s{extra} (step {step_seconds:.3f} s)", flush=True)
     print(f"RESULT checkpoint config {args.config} {world} GPU load: {result['load_seconds']:.2f} s "
           f"(page cache dropped: {result['page_cache_dropped']})", flush=True)
     if args.out:

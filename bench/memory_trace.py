@@ -55,8 +55,7 @@ def label(event: dict, roots: tuple[str, ...] = ("tessera/", "bench/")) -> str:
             if root in name:
                 return f"{root}{name.split(root, 1)[1]}:{frame.get('line')} {frame.get('name')}"
     if frames:
-        frame = frames[0]
-        return f"(no project frame) {frame.get('filename', '').rsplit('/', 1)[-1]}:{frame.get('line')} {frame.get('name')}"
+        return f"(no project frame) {_innermost(event)}"
     return "(no Python stack: autograd engine or C++)"
 
 

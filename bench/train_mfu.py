@@ -35,7 +35,6 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from memory_trace import format_breakdown, peak_breakdown, step_marker  # noqa: E402

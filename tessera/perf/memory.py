@@ -31,8 +31,9 @@ recompute drops the core-attention term; full recompute keeps only each layer's 
 tessera's layers differ where its saved tensors (counted with saved-tensor hooks,
 tests/perf/test_memory.py) do: the residual stream is fp32 when the weights are (norm
 inputs 4 bytes); a compiled block saves only the first norm's input but also copies the
-fused kernel's output into the projection's input (both saved); RoPE's rotated Q and K are saved beside the QKV output (which V, a view of it,
-keeps alive), and under SP the QKV and fc1 inputs are saved all-gathered.
+fused kernel's output into the projection's input (both saved); RoPE's rotated Q and K are
+saved beside the QKV output (which V, a view of it, keeps alive); and under SP the QKV and
+fc1 inputs are saved all-gathered.
 
 The pipeline decides how many micro-batches are alive: under 1F1B the first stage holds
 min(p, m) of them; under the interleaved schedule min(m*v, 2(p-1) + (v-1)p + 1) model
@@ -102,8 +103,7 @@ def layer_activation_bytes(model: ModelConfig, layout: Layout, seq_length: int,
             per_score = 5 if model.attention_dropout > 0 else 2   # scores, and mask + dropout output
             tensor_sharded += per_score * a * s * s * b
     if tessera:   # the all-gathered GEMM inputs are what autograd keeps
-        return (norm_inputs + masks) / sp + gemm_inputs * (t if layout.sequence_parallel else 1) / t \
-            + tensor_sharded / t
+        return (norm_inputs + masks) / sp + (gemm_inputs * sp + tensor_sharded) / t
     return (norm_inputs + masks + gemm_inputs) / sp + tensor_sharded / t
 
 

@@ -131,8 +131,8 @@ def write_checkpoint(directory: Path, state: dict[str, Any], config: dict, *, gr
         for name, text in {CONFIG: yaml.safe_dump(config, sort_keys=False), **(extra_files or {})}.items():
             _atomic_write(directory / name, text)
     with _single_process_ok():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(directory, thread_count=WRITE_THREADS), planner=SavePlanner(),
-                 process_group=group)
+        writer = dcp.FileSystemWriter(directory, thread_count=WRITE_THREADS)
+        dcp.save(state, storage_writer=writer, planner=SavePlanner(), process_group=group)
     if dist.is_initialized():
         dist.barrier(group=group)  # every rank's files are complete
     if rank0:
