@@ -231,6 +231,7 @@ class Checkpointer:
 
     def save(self, trainer) -> None:
         directory = iteration_dir(self.options.save, trainer.iteration)
+        trainer.optimizer.wait_for_parameters()   # --overlap-param-gather: weights still arriving
         state = training_state(trainer)
         self.last_saved = trainer.iteration
         args = dict(config=self.config.to_dict(), keep_last=self.options.keep_last)

@@ -85,8 +85,9 @@ class TrainingOptimizer:
             sum_tied_grads(slices, self._tied.numel(), group, self._tied.device)
 
     def wait_for_parameters(self) -> None:
-        """Wait for the distributed optimizer's parameter all-gathers (for callers that run the
-        model's parts directly, bypassing the hooks that wait module by module)."""
+        """Wait for the distributed optimizer's parameter all-gathers: for whatever reads the
+        weights other than through the model's forward, whose hooks wait module by module
+        (pipeline stages, checkpoint saves, the caller of Trainer.train)."""
         if isinstance(self.inner, DistributedOptimizer):
             self.inner.wait_all()
 

@@ -165,6 +165,7 @@ class Trainer:
                       ) -> torch.Tensor:
         """Run a schedule over the micro-batches; the loss sum, on every pipeline rank.
         `loss_scale` (loss scale / global tokens) is what the last stage backpropagates."""
+        self.optimizer.wait_for_parameters()   # stages call embed/run_layers/head, not the gather hooks
         loss_sum = torch.zeros((), device=self.device)
 
         def forward_step(chunk: int, index: int, hidden: torch.Tensor | None) -> torch.Tensor:
@@ -210,7 +211,6 @@ class Trainer:
         scale = self.loss_scaler.scale
         self.optimizer.zero_grad()
         if self.pipeline is not None:
-            self.optimizer.wait_for_parameters()   # stages call embed/run_layers/head, not the gather hooks
             loss_sum = self._run_pipeline(self.runner, micro_batches, scale / tokens)
         else:
             loss_sum = torch.zeros((), device=self.device)
@@ -274,6 +274,7 @@ class Trainer:
         if self.nan_check is not None:
             self.nan_check.flush()
         history += [r.resolve() for r in pending]
+        self.optimizer.wait_for_parameters()   # the caller gets the whole model, not gathers in flight
         self.checkpointer.finish(self)
         self.metrics.close()
         return history

@@ -13,6 +13,9 @@ element-wise relative bound would test that amplification, not the layout.
 
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import torch
 import torch.distributed as dist
 
@@ -84,3 +87,32 @@ def assert_equivalent(reference: dict, result: dict, layout: str) -> None:
         actual = result["params"][name]
         error = ((actual - expected).norm() / expected.norm()).item()
         assert error <= 1e-5, f"{layout}: parameter {name} differs by {error:.2e} (relative norm)"
+
+
+class _LateGather:
+    """An asynchronous all-gather whose result reaches the output only at wait()."""
+
+    def __init__(self, output: torch.Tensor, received: torch.Tensor):
+        self.output, self.received = output, received
+
+    def wait(self) -> bool:
+        self.output.copy_(self.received)
+        return True
+
+
+@contextlib.contextmanager
+def late_parameter_gathers():
+    """Asynchronous all-gathers deliver at wait(), never before: whatever reads weights that
+    --overlap-param-gather is still gathering then reads stale ones on every run, not only
+    when the race goes the wrong way."""
+    gather = dist.all_gather_into_tensor
+
+    def late(output, input, group=None, async_op=False):
+        if not async_op:
+            return gather(output, input, group=group)
+        received = torch.empty_like(output)
+        gather(received, input, group=group)
+        return _LateGather(output, received)
+
+    with mock.patch.object(dist, "all_gather_into_tensor", late):
+        yield

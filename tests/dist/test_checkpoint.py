@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from tessera.cli.args import parse_run_config
 from tessera.training.trainer import Trainer
-from tests.dist.equivalence import BASE, STEPS
+from tests.dist.equivalence import BASE, STEPS, late_parameter_gathers
 from tests.dist.launcher import run_distributed
 
 STOP = 2  # the interrupted run saves here; the resumed one goes on to STEPS
@@ -58,6 +58,18 @@ EXACT = {
 @pytest.mark.parametrize("layout", EXACT)
 def test_exact_resume(layout, tmp_path):
     expected, resumed = run_distributed(interrupted_and_uninterrupted, 2, EXACT[layout], str(tmp_path))[0]
+    assert len(expected) == STEPS and resumed == expected
+
+
+def _interrupted_with_late_gathers(flags: list[str], directory: str) -> tuple[list[float], list[float]]:
+    with late_parameter_gathers():
+        return interrupted_and_uninterrupted(flags, directory)
+
+
+def test_saving_waits_for_parameter_gathers(tmp_path):
+    # The save at STOP comes right after a step whose gathers are still in flight.
+    flags = ["--use-distributed-optimizer", "--overlap-param-gather", "--ddp-bucket-size", "20000"]
+    expected, resumed = run_distributed(_interrupted_with_late_gathers, 2, flags, str(tmp_path))[0]
     assert len(expected) == STEPS and resumed == expected
 
 

@@ -3,18 +3,18 @@ combined, against single-process training."""
 
 import pytest
 
-from tests.dist.equivalence import assert_equivalent, train
+from tests.dist.equivalence import assert_equivalent, late_parameter_gathers, train
 from tests.dist.launcher import run_distributed
 from tests.dist import equivalence
 
+PARAM_GATHER = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+                "--ddp-bucket-size", "20000"]
 LAYOUTS = {
     2: {
         "DP=2": [],
         "DP=2 overlap": ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"],
         "DP=2 distributed optimizer": ["--use-distributed-optimizer"],
-        "DP=2 distributed optimizer, overlap, param gather":
-            ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
-             "--ddp-bucket-size", "20000"],
+        "DP=2 distributed optimizer, overlap, param gather": PARAM_GATHER,
         "FSDP2 DP=2": ["--use-torch-fsdp2"],
         "TP=2": ["--tensor-model-parallel-size", "2"],
         "TP=2 + SP": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
@@ -48,6 +48,17 @@ def results():
 @pytest.mark.parametrize("layout", [name for layouts in LAYOUTS.values() for name in layouts])
 def test_layout_matches_single_process(reference, results, layout):
     assert_equivalent(reference, results[layout], layout)
+
+
+def _train_with_late_gathers(flags: list[str]) -> dict:
+    with late_parameter_gathers():
+        return train(flags)
+
+
+def test_training_returns_the_gathered_parameters(reference):
+    # The last step's gathers are still in flight when the loop ends; train() must wait.
+    result = run_distributed(_train_with_late_gathers, 2, PARAM_GATHER)[0]
+    assert_equivalent(reference, result, "DP=2 distributed optimizer, param gathers delivered late")
 
 
 def _launch_pattern():
