@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tessera.parallel.collectives import reduce_scatter_flat
+
 
 @dataclass
 class Bucket:
@@ -114,7 +116,7 @@ class GradBuffer:
         if self.reduce_scatter:
             start, end = self.shard_range(bucket)
             output = torch.empty(end - start, dtype=data.dtype, device=data.device)
-            work = dist.reduce_scatter_tensor(output, data, group=self.group, async_op=True)
+            work = reduce_scatter_flat(output, data, group=self.group, async_op=True)
             bucket.work = (work, output)
         else:
             bucket.work = (dist.all_reduce(data, group=self.group, async_op=True), None)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from tessera.parallel.collectives import all_gather_flat, reduce_scatter_flat
 from tessera.parallel.sharding import ShardSpec, annotate, rank_and_size, sum_replica_grads
 
 SEQUENCE_DIM = 1
@@ -46,7 +47,7 @@ def _all_gather(x, group, dim):
     size = dist.get_world_size(group)
     x = x.movedim(dim, 0).contiguous()  # collectives concatenate along dim 0
     out = x.new_empty((size * x.shape[0], *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x, group=group)
+    all_gather_flat(out, x, group=group)
     return out.movedim(0, dim).contiguous()
 
 
@@ -61,7 +62,7 @@ def _reduce_scatter(x, group, dim):
     _, size = _split_size(x, group, dim)
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x, group=group)
+    reduce_scatter_flat(out, x, group=group)
     return out.movedim(0, dim).contiguous()
 
 

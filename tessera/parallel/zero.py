@@ -17,10 +17,10 @@ waits for its bucket only when the next forward reaches it.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from tessera.config import OptimConfig
+from tessera.parallel.collectives import all_gather_flat
 from tessera.parallel.ddp import GradBuffer
 
 
@@ -106,7 +106,7 @@ class DistributedOptimizer:
         for index in reversed(range(len(self.grads.buckets))):
             bucket = self.grads.buckets[index]
             start, end = self.grads.shard_range(bucket)
-            self._gathers[index] = dist.all_gather_into_tensor(
+            self._gathers[index] = all_gather_flat(
                 self.params[bucket.start:bucket.end], self.params[start:end].clone(), group=self.group,
                 async_op=True)
 

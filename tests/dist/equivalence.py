@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.cli.args import parse_run_config
+from tessera.parallel.collectives import all_gather_flat
 from tessera.training.trainer import Trainer
 
 STEPS = 5
@@ -105,14 +106,10 @@ def late_parameter_gathers():
     """Asynchronous all-gathers deliver at wait(), never before: whatever reads weights that
     --overlap-param-gather is still gathering then reads stale ones on every run, not only
     when the race goes the wrong way."""
-    gather = dist.all_gather_into_tensor
+    def late(output, input, *, group, async_op=False):
+        received = torch.empty_like(output) if async_op else output
+        all_gather_flat(received, input, group=group)
+        return _LateGather(output, received) if async_op else None
 
-    def late(output, input, group=None, async_op=False):
-        if not async_op:
-            return gather(output, input, group=group)
-        received = torch.empty_like(output)
-        gather(received, input, group=group)
-        return _LateGather(output, received)
-
-    with mock.patch.object(dist, "all_gather_into_tensor", late):
+    with mock.patch("tessera.parallel.zero.all_gather_flat", late):
         yield
