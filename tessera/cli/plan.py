@@ -53,12 +53,7 @@ def _extra(parser: argparse.ArgumentParser) -> None:
 
 _CONFIG_FIELDS = {f.name for section in SECTIONS.values() for f in dataclasses.fields(section)}
 _LAYOUT_FLAGS = {
-    "num_layers_per_virtual_pipeline_stage": dict(type=int, help="interleaved 1F1B: layers per model chunk"),
-    "use_distributed_optimizer": dict(action="store_true", help="shard optimizer state over DP (ZeRO-1)"),
-    "use_torch_fsdp2": dict(action="store_true", help="shard weights, grads and optimizer state (ZeRO-3)"),
     "tp_comm_overlap": dict(action="store_true", help="overlap TP collectives with GEMMs (TE userbuffers)"),
-    "overlap_grad_reduce": dict(action="store_true", help="reduce gradients during backward"),
-    "overlap_param_gather": dict(action="store_true", help="gather parameters during forward"),
 }
 
 
@@ -83,6 +78,8 @@ def _fixed_layout(values: dict, args: argparse.Namespace, model: ModelConfig) ->
     mbs = _setting(values, args, "micro_batch_size", 1)
     layout = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=_setting(values, args, "expert_model_parallel_size", 1),
                     virtual_stages=virtual, micro_batch_size=mbs,
+                    first_stage_layers=_setting(values, args, "decoder_first_pipeline_num_layers"),
+                    last_stage_layers=_setting(values, args, "decoder_last_pipeline_num_layers"),
                     sequence_parallel=bool(_setting(values, args, "sequence_parallel")),
                     distributed_optimizer=bool(_setting(values, args, "use_distributed_optimizer")),
                     fsdp=bool(_setting(values, args, "use_torch_fsdp2")),
@@ -98,7 +95,7 @@ def _fixed_layout(values: dict, args: argparse.Namespace, model: ModelConfig) ->
 def _virtual_stages(values: dict, args: argparse.Namespace, model: ModelConfig, pp: int) -> int | None:
     per_chunk = _setting(values, args, "num_layers_per_virtual_pipeline_stage")
     if not per_chunk:
-        return None
+        return _setting(values, args, "virtual_pipeline_model_parallel_size")
     per_rank = model.num_layers // pp
     if per_rank % per_chunk:
         raise ConfigError(f"--num-layers-per-virtual-pipeline-stage ({per_chunk}) must divide the "
@@ -117,6 +114,8 @@ def _space(values: dict, args: argparse.Namespace, model: ModelConfig) -> Search
     return SearchSpace(tp=given("tensor_model_parallel_size"), pp=given("pipeline_model_parallel_size"),
                        cp=given("context_parallel_size"), virtual_stages=(virtual,) if virtual else None,
                        micro_batch_size=given("micro_batch_size"), recompute=given("recompute_granularity"),
+                       first_stage_layers=_setting(values, args, "decoder_first_pipeline_num_layers"),
+                       last_stage_layers=_setting(values, args, "decoder_last_pipeline_num_layers"),
                        # tessera's own runs: compiled blocks, TP communication not overlapped
                        tp_comm_overlap=bool(_setting(values, args, "tp_comm_overlap")),
                        compiled=_setting(values, args, "compile") is not False, framework="tessera")
@@ -125,7 +124,7 @@ def _space(values: dict, args: argparse.Namespace, model: ModelConfig) -> Search
 def as_dict(prediction: Prediction, model: ModelConfig, capacity: float) -> dict:
     layout = prediction.layout
     return {
-        "layout": {**layout.__dict__, "flags": layout.flags(model.num_layers), "describe": layout.describe()},
+        "layout": {**layout.__dict__, "flags": layout.flags(), "describe": layout.describe()},
         "mfu": prediction.mfu, "tflops_per_gpu": prediction.tflops_per_gpu, "step_time_s": prediction.step_time,
         "tokens_per_sec": prediction.tokens_per_sec, "memory_gb_per_gpu": prediction.memory.total / 1e9,
         "memory_gib_per_gpu": prediction.memory.total / GIB, "fits": prediction.memory.total <= capacity,
@@ -137,7 +136,7 @@ def as_dict(prediction: Prediction, model: ModelConfig, capacity: float) -> dict
 def _print_breakdown(prediction: Prediction, capacity: float) -> None:
     memory, step = prediction.memory, prediction.step_time
     fits = "fits" if memory.total <= capacity else "DOES NOT FIT"
-    print(f"\n{prediction.layout.describe()}: memory per GPU ({memory.stage} stage), "
+    print(f"\n{prediction.layout.describe()}: memory per GPU ({memory.stage}), "
           f"{memory.total / GIB:.1f} GiB of {capacity / GIB:.1f} usable: {fits}")
     for name, value in memory.as_dict().items():
         print(f"  {name:<12} {value / GIB:8.2f} GiB")
@@ -204,5 +203,5 @@ def main(argv: list[str]) -> int:
               f"{p.tokens_per_sec:11,.0f} {p.memory.total / GIB:8.1f}")
     _print_breakdown(results[0], capacity)
     if not args.explain:
-        print("\ntrain with: " + " ".join(results[0].layout.flags(model.num_layers)))
+        print("\ntrain with: " + " ".join(results[0].layout.flags()))
     return 0

@@ -1,5 +1,5 @@
-"""Pipeline parallelism at run time: which layers a stage holds, and the runner that executes
-a schedule (tessera.parallel.pipeline_schedules) with batched point-to-point transfers.
+"""Pipeline parallelism at run time: the runner that executes a schedule
+(tessera.parallel.pipeline_schedules) with batched point-to-point transfers.
 
 A stage is a view of the one model: GPTModel built with the blocks of this rank's chunks
 (keeping their global indices, so names, initialisation and checkpoints do not depend
@@ -25,40 +25,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from tessera.config import ConfigError
 from tessera.parallel.pipeline_schedules import (
     FORWARD, RECV_ACTIVATION, RECV_GRAD, SEND_ACTIVATION, SEND_GRAD, Action, Schedule,
 )
-
-
-def stage_layer_ranges(num_layers: int, pp_size: int, vp_size: int = 1, *, first_stage_layers: int | None = None,
-                       last_stage_layers: int | None = None) -> list[range]:
-    """Global layer indices of each virtual stage (chunk c of pipeline rank r is stage c * pp_size + r).
-
-    Layers are split evenly, except that --decoder-first-pipeline-num-layers and
-    --decoder-last-pipeline-num-layers fix the first and last (virtual) stage's share
-    and the others split the rest evenly.
-    """
-    num_stages = pp_size * vp_size
-    sizes = [None] * num_stages
-    if first_stage_layers is not None:
-        sizes[0] = first_stage_layers
-    if last_stage_layers is not None:
-        sizes[-1] = last_stage_layers
-    fixed = sum(s for s in sizes if s is not None)
-    free = sizes.count(None)
-    rest = num_layers - fixed
-    if rest < 0 or (free and rest % free) or (not free and rest):
-        raise ConfigError(
-            f"--num-layers ({num_layers}) cannot be split over {num_stages} pipeline stages "
-            f"(--pipeline-model-parallel-size {pp_size} x virtual stages {vp_size}) with "
-            f"--decoder-first-pipeline-num-layers {first_stage_layers} and --decoder-last-pipeline-num-layers "
-            f"{last_stage_layers}: the remaining {rest} layers must divide evenly over the other {free} stages")
-    sizes = [s if s is not None else rest // free for s in sizes]
-    if min(sizes) < 1:
-        raise ConfigError(f"every pipeline stage needs at least one layer; the split gives {sizes}")
-    starts = [sum(sizes[:i]) for i in range(num_stages)]
-    return [range(start, start + size) for start, size in zip(starts, sizes)]
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,6 @@
-"""Pipeline schedules as data: for every pipeline rank, the ordered list of its actions.
+"""Pipelines as data: which layers each stage holds (`stage_layer_ranges`) and, for every
+pipeline rank, the ordered list of its actions (`build_schedule`). No torch here: the
+planner (tessera.perf) uses the same split as the trainer.
 
 An action is a forward or backward pass of one micro-batch through one model chunk, or
 a send / receive of an activation or its gradient to a neighbouring rank. One runner
@@ -118,6 +120,39 @@ def build_schedule(name: str, pp_size: int, num_micro_batches: int, vp_size: int
     schedule = Schedule(name, pp_size, vp_size, num_micro_batches, forward_only, ranks)
     simulate(schedule)  # raises on a mismatch or deadlock
     return schedule
+
+
+def stage_layer_ranges(num_layers: int, pp_size: int, vp_size: int = 1, *, first_stage_layers: int | None = None,
+                       last_stage_layers: int | None = None) -> list[range]:
+    """Global layer indices of each virtual stage (chunk c of pipeline rank r is stage c * pp_size + r).
+
+    Layers are split evenly, except that --decoder-first-pipeline-num-layers and
+    --decoder-last-pipeline-num-layers fix the first and last (virtual) stage's share
+    and the others split the rest evenly.
+    """
+    num_stages = pp_size * vp_size
+    sizes = [None] * num_stages
+    if first_stage_layers is not None:
+        sizes[0] = first_stage_layers
+    if last_stage_layers is not None:
+        sizes[-1] = last_stage_layers
+    fixed = sum(s for s in sizes if s is not None)
+    free = sizes.count(None)
+    rest = num_layers - fixed
+    if rest < 0 or (free and rest % free) or (not free and rest):
+        given = [f"{flag} {value}" for flag, value in (("--decoder-first-pipeline-num-layers", first_stage_layers),
+                                                      ("--decoder-last-pipeline-num-layers", last_stage_layers))
+                 if value is not None]
+        raise ConfigError(
+            f"--num-layers ({num_layers}) cannot be split over {num_stages} pipeline stages "
+            f"(--pipeline-model-parallel-size {pp_size} x virtual stages {vp_size})"
+            + (f" with {' and '.join(given)}: the remaining {rest} layers must divide evenly over the other "
+               f"{free} stages" if given else ": the layers must divide evenly over the stages"))
+    sizes = [s if s is not None else rest // free for s in sizes]
+    if min(sizes) < 1:
+        raise ConfigError(f"every pipeline stage needs at least one layer; the split gives {sizes}")
+    starts = [sum(sizes[:i]) for i in range(num_stages)]
+    return [range(start, start + size) for start, size in zip(starts, sizes)]
 
 
 # -- compute orders: per rank, a list of units (one compute, or a forward-backward pair) --

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tessera.config import ConfigError, ModelConfig
+from tessera.parallel.pipeline_schedules import stage_layer_ranges
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -22,6 +23,8 @@ class Layout:
     cp: int = 1                       # --context-parallel-size
     ep: int = 1                       # --expert-model-parallel-size
     virtual_stages: int = 1           # model chunks per pipeline rank (interleaved 1F1B)
+    first_stage_layers: int | None = None  # --decoder-first-pipeline-num-layers (None: even split)
+    last_stage_layers: int | None = None   # --decoder-last-pipeline-num-layers
     micro_batch_size: int = 1         # --micro-batch-size
     sequence_parallel: bool = False   # --sequence-parallel
     distributed_optimizer: bool = False  # --use-distributed-optimizer (ZeRO-1)
@@ -40,10 +43,29 @@ class Layout:
     def num_micro_batches(self, global_batch_size: int) -> int:
         return global_batch_size // (self.micro_batch_size * self.dp)
 
+    @property
+    def uneven(self) -> bool:
+        return self.first_stage_layers is not None or self.last_stage_layers is not None
+
+    def stage_layers(self, num_layers: int) -> list[int]:
+        """Layers of each virtual stage, split as the trainer splits them."""
+        return [len(stage) for stage in stage_layer_ranges(num_layers, self.pp, self.virtual_stages,
+                                                           first_stage_layers=self.first_stage_layers,
+                                                           last_stage_layers=self.last_stage_layers)]
+
+    def layers_per_rank(self, num_layers: int) -> list[int]:
+        """Layers each pipeline rank holds over all its chunks (chunk c of rank r is stage c * pp + r)."""
+        stages = self.stage_layers(num_layers)
+        return [sum(stages[chunk * self.pp + rank] for chunk in range(self.virtual_stages)) for rank in range(self.pp)]
+
     def describe(self) -> str:
         parts = [f"TP{self.tp}", f"PP{self.pp}"]
         if self.virtual_stages > 1:
             parts.append(f"VP{self.virtual_stages}")
+        given = [f"{end} stage {layers} layers" for end, layers in (("first", self.first_stage_layers),
+                                                                    ("last", self.last_stage_layers)) if layers]
+        if given:
+            parts.append("(" + ", ".join(given) + ")")
         if self.cp > 1:
             parts.append(f"CP{self.cp}")
         parts += [f"DP{self.dp}", f"mbs{self.micro_batch_size}"]
@@ -57,12 +79,16 @@ class Layout:
             parts.append(f"recompute-{self.recompute}")
         return " ".join(parts)
 
-    def flags(self, num_layers: int) -> list[str]:
+    def flags(self) -> list[str]:
         """The `tessera train` flags of this layout."""
         flags = ["--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp),
                  "--context-parallel-size", str(self.cp), "--micro-batch-size", str(self.micro_batch_size)]
         if self.virtual_stages > 1:
-            flags += ["--num-layers-per-virtual-pipeline-stage", str(num_layers // (self.pp * self.virtual_stages))]
+            flags += ["--virtual-pipeline-model-parallel-size", str(self.virtual_stages)]
+        for flag, value in (("--decoder-first-pipeline-num-layers", self.first_stage_layers),
+                            ("--decoder-last-pipeline-num-layers", self.last_stage_layers)):
+            if value is not None:
+                flags += [flag, str(value)]
         if self.sequence_parallel:
             flags.append("--sequence-parallel")
         if self.fsdp:
@@ -89,9 +115,8 @@ def check_layout(model: ModelConfig, layout: Layout, global_batch_size: int, seq
             f"--tensor-model-parallel-size ({tp})")
     require(model.num_query_groups % tp == 0,
             f"--num-query-groups ({model.num_query_groups}) must be divisible by --tensor-model-parallel-size ({tp})")
-    require(model.num_layers % (pp * vp) == 0,
-            f"--num-layers ({model.num_layers}) must be divisible by --pipeline-model-parallel-size ({pp})"
-            + (f" x virtual stages ({vp})" if vp > 1 else ""))
+    require(pp > 1 or not layout.uneven, "--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1")
+    layout.layers_per_rank(model.num_layers)   # raises, naming --num-layers and the split flags
     require(vp == 1 or pp > 1, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
     require(not layout.sequence_parallel or tp > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1")
     require(seq_length % (2 * cp) == 0 if cp > 1 else True,

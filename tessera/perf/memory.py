@@ -38,7 +38,8 @@ fc1 inputs are saved all-gathered.
 The pipeline decides how many micro-batches are alive: under 1F1B the first stage holds
 min(p, m) of them; under the interleaved schedule min(m*v, 2(p-1) + (v-1)p + 1) model
 chunks (Megatron's warm-up count plus the one in flight), which is the paper's
-L x (1 + (p-1)/(pv)) layers' worth.
+L x (1 + (p-1)/(pv)) layers' worth. Every pipeline rank is counted with its own layers
+(uneven splits move them) and the fullest is reported.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class MemoryBreakdown:
     activations: float
     logits: float        # output layer and cross-entropy buffers of one micro-batch (last stage)
     buffers: float       # gathered activations (SP), unsharded layers (FSDP)
-    stage: str           # which pipeline stage this is ("first", "last", "only")
+    stage: str           # which pipeline stage this is ("pipeline rank 0 of 4", "the only stage")
 
     @property
     def total(self) -> float:
@@ -127,19 +128,19 @@ def _params_per_layer(model: ModelConfig) -> float:
     return (params.non_embedding - norm) / model.num_layers
 
 
-def stage_parameters(model: ModelConfig, layout: Layout, vocab_size: int, stage: str) -> float:
-    """Parameters held by one GPU of a pipeline stage ('first', 'last' or 'only')."""
+def stage_parameters(model: ModelConfig, layout: Layout, vocab_size: int, pp_rank: int) -> float:
+    """Parameters held by one GPU of pipeline rank `pp_rank`."""
     h = model.hidden_size
-    layers = model.num_layers / layout.pp
-    params = layers * _params_per_layer(model) / layout.tp
+    first, last = pp_rank == 0, pp_rank == layout.pp - 1
+    params = layout.layers_per_rank(model.num_layers)[pp_rank] * _params_per_layer(model) / layout.tp
     word_embedding = vocab_size * h / layout.tp
     positions = model.max_position_embeddings * h if model.position_embedding_type == "learned_absolute" else 0
-    if stage in ("first", "only"):
+    if first:
         params += word_embedding + positions
-    if stage in ("last", "only"):
+    if last:
         params += h * (2 if model.normalization == "LayerNorm" else 1)
-        # An untied output layer, or the copy of the tied embedding the last stage keeps.
-        if not model.tie_embeddings or stage == "last":
+        # An untied output layer, or the copy of the tied embedding a separate last stage keeps.
+        if not model.tie_embeddings or not first:
             params += word_embedding
     return params
 
@@ -148,14 +149,13 @@ def estimate_memory(model: ModelConfig, layout: Layout, global_batch_size: int, 
                     vocab_size: int | None = None) -> MemoryBreakdown:
     """Peak bytes on the fullest GPU of the layout (the largest of its pipeline stages)."""
     vocab = vocab_size if vocab_size is not None else model.padded_vocab_size(layout.tp)
-    stages = ["only"] if layout.pp == 1 else ["first", "last"]
-    return max((_stage_memory(model, layout, global_batch_size, seq_length, vocab, stage) for stage in stages),
+    return max((_stage_memory(model, layout, global_batch_size, seq_length, vocab, rank) for rank in range(layout.pp)),
                key=lambda m: m.total)
 
 
 def _stage_memory(model: ModelConfig, layout: Layout, global_batch_size: int, seq_length: int,
-                  vocab: int, stage: str) -> MemoryBreakdown:
-    params = stage_parameters(model, layout, vocab, stage)
+                  vocab: int, pp_rank: int) -> MemoryBreakdown:
+    params = stage_parameters(model, layout, vocab, pp_rank)
     num_micro_batches = layout.num_micro_batches(global_batch_size)
     weights, gradients, optimizer = _state_bytes_per_parameter(layout, num_micro_batches)
     weights, gradients, optimizer = weights * params, gradients * params, optimizer * params
@@ -166,9 +166,8 @@ def _stage_memory(model: ModelConfig, layout: Layout, global_batch_size: int, se
 
     s, b, h = seq_length / layout.cp, layout.micro_batch_size, model.hidden_size
     per_layer = layer_activation_bytes(model, layout, seq_length)
-    layers_per_chunk = model.num_layers / (layout.pp * layout.virtual_stages)
-    index = layout.pp - 1 if stage == "last" else 0
-    chunks = chunks_in_flight(layout, num_micro_batches, index)
+    layers_per_chunk = layout.layers_per_rank(model.num_layers)[pp_rank] / layout.virtual_stages
+    chunks = chunks_in_flight(layout, num_micro_batches, pp_rank)
     activations = chunks * layers_per_chunk * per_layer
     if layout.recompute == "full":
         # Backward recomputes one layer at a time: its full activations exist briefly.
@@ -176,9 +175,10 @@ def _stage_memory(model: ModelConfig, layout: Layout, global_batch_size: int, se
     # bf16 logits + the fp32 softmax (or its gradient); tessera's compiled loss at TP = 1
     # fuses the softmax into the loss kernel and keeps only the bf16 logits.
     per_logit = 2.0 if layout.framework == "tessera" and layout.compiled and layout.tp == 1 else 6.0
-    logits = per_logit * s * b * vocab / layout.tp if stage in ("last", "only") else 0.0
+    logits = per_logit * s * b * vocab / layout.tp if pp_rank == layout.pp - 1 else 0.0
     if layout.sequence_parallel and layout.framework == "megatron":
         buffers += 2.0 * s * b * h  # the all-gathered input of the GEMM being computed (tessera saves it)
+    stage = "the only stage" if layout.pp == 1 else f"pipeline rank {pp_rank} of {layout.pp}"
     return MemoryBreakdown(weights, gradients, optimizer, activations, logits, buffers, stage)
 
 

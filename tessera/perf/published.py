@@ -66,7 +66,7 @@ STRONG_SCALING = [
 
 def predict_run(run: PublishedRun, curves: KernelCurves) -> Prediction:
     """The planner's best layout for a published run, TP/PP/DP fixed as published."""
-    space = SearchSpace(tp=(run.tp,), pp=(run.pp,), cp=(1,))
+    space = SearchSpace(tp=(run.tp,), pp=(run.pp,), cp=(1,), balance_pipeline=False)   # Megatron splits evenly
     best = search(run.model(), run.gpus, CLUSTER, curves, run.global_batch_size, SEQ_LENGTH, space,
                   causal_flops=False, top=1)
     if not best:

@@ -2,7 +2,8 @@
 
 The candidates are the layouts a Megatron user would try: TP within a node (a power of
 two dividing the heads), PP dividing the layers, context parallel only for sequences of
-8k and more, interleaving only with pipelining, sequence parallelism and TP comm overlap
+8k and more, interleaving only with pipelining, each pipeline split evenly and balanced
+(tessera.perf.simulator.balance_pipeline), sequence parallelism and TP comm overlap
 whenever TP > 1, the distributed optimizer whenever DP > 1 (it is never slower and saves
 memory), recomputation only as a fallback when nothing fits without it. Anything a user
 fixes on the command line is held fixed.
@@ -18,7 +19,7 @@ from tessera.perf.cluster import Cluster
 from tessera.perf.kernels import KernelCurves
 from tessera.perf.layout import Layout, check_layout
 from tessera.perf.memory import usable_bytes
-from tessera.perf.simulator import Prediction, predict
+from tessera.perf.simulator import Prediction, balance_pipeline, predict
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 LONG_SEQUENCE = 8192
@@ -42,6 +43,11 @@ class SearchSpace:
     virtual_stages: tuple[int, ...] | None = None
     micro_batch_size: tuple[int, ...] | None = None
     recompute: tuple[str, ...] | None = None
+    # Layers of the first/last pipeline stage: held fixed when either is given; otherwise
+    # every pipeline layout is tried with the even split and, if balance_pipeline, the balanced one.
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+    balance_pipeline: bool = True
     # What the framework does, not searched: Megatron with Transformer Engine overlaps TP
     # communication and runs eager (the published runs); tessera compiles and does not overlap.
     tp_comm_overlap: bool = True
@@ -64,6 +70,8 @@ def candidates(model: ModelConfig, gpus: int, gpus_per_node: int, global_batch_s
         virtual = (space.virtual_stages or tuple(_divisors(model.num_layers // pp))) if pp > 1 else (1,)
         for vp in virtual:
             layout = Layout(tp=tp, pp=pp, dp=dp, cp=cp, virtual_stages=vp, micro_batch_size=mbs,
+                            first_stage_layers=space.first_stage_layers if pp > 1 else None,
+                            last_stage_layers=space.last_stage_layers if pp > 1 else None,
                             sequence_parallel=tp > 1, tp_comm_overlap=space.tp_comm_overlap and tp > 1,
                             distributed_optimizer=dp * cp > 1, compiled=space.compiled,
                             framework=space.framework)
@@ -80,6 +88,9 @@ def search(model: ModelConfig, gpus: int, cluster: Cluster, curves: KernelCurves
            top: int = 5) -> list[Prediction]:
     """The `top` best layouts that fit in memory, best first; empty if none fits."""
     layouts = candidates(model, gpus, cluster.gpus_per_node, global_batch_size, seq_length, space)
+    if space.balance_pipeline and space.first_stage_layers is None and space.last_stage_layers is None:
+        balanced = (balance_pipeline(model, layout, cluster, curves, seq_length) for layout in layouts if layout.pp > 1)
+        layouts += [layout for layout in balanced if layout.uneven]
     capacity = usable_bytes(cluster.gpu.memory_gb)
     for recompute in space.recompute or ("none", "selective", "full"):
         fitting = []

@@ -8,10 +8,13 @@ The step is built from what each GPU does, as Megatron-LM schedules it:
    tensor-parallel collectives (tessera.perf.cluster). A collective that Megatron runs
    beside a GEMM costs only what the GEMM does not cover, plus its link's interference
    share of the covered part (both compete for SMs and HBM).
-2. A pipeline stage runs m micro-batches; 1F1B (interleaved with v chunks) adds a bubble
-   of (p-1)/v micro-batch times of the slowest stage, and the first/last transfers of the
-   pipeline's fill and drain cannot hide. The last stage also runs the output layer
-   and the loss, the first the embedding.
+2. A pipeline rank's micro-batch time is its layers (uneven splits give ranks different
+   counts) plus, on the last rank, the output layer and the loss (the embedding lookup on
+   the first is a row copy per token, not timed). The step is m micro-batch times of the
+   slowest rank plus the fill and the drain: every other rank's micro-batch time once,
+   over v chunks - (p-1)/v micro-batch times when the ranks are equal, the bubble of
+   1F1B and interleaved 1F1B. The first/last transfers of the fill and drain cannot hide;
+   tessera's runner also waits for the transfers after every chunk's forward and backward.
 3. Gradients are reduce-scattered (distributed optimizer), all-reduced (DDP) or
    reduce-scattered per layer (FSDP) over data x context parallel, in fp32; parameters are
    all-gathered in bf16. With overlap only what the last micro-batch's backward (or the
@@ -24,9 +27,11 @@ Model FLOPs (for MFU) are Megatron's formula; the time is for the work really do
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import itertools
+import math
+from dataclasses import dataclass, field, replace
 
-from tessera.config import ModelConfig
+from tessera.config import ConfigError, ModelConfig
 from tessera.perf.cluster import Cluster, Link
 from tessera.perf.flops import flops_per_iteration
 from tessera.perf.kernels import KernelCurves
@@ -204,37 +209,32 @@ def predict(model: ModelConfig, layout: Layout, cluster: Cluster, curves: Kernel
     vocab = model.padded_vocab_size(layout.tp)
     micro_batches = layout.num_micro_batches(global_batch_size)
     layer_fwd, layer_bwd = steps.layer(layout)
-    layers = model.num_layers / layout.pp
-
-    # One micro-batch on the slowest stage (the last one when it carries the output layer).
-    fwd, bwd = Phase(), Phase()
-    fwd.extend(layer_fwd, layers)
-    bwd.extend(layer_bwd, layers)
-    if layout.recompute == "full":
-        bwd.extend(layer_fwd, layers, rename="recompute")
-    elif layout.recompute == "selective":
-        bwd.add("recompute", layers * layer_fwd.times["attention"])
-    out_fwd, out_bwd = steps.output_layer(layout, vocab)
-    fwd.extend(out_fwd)
-    bwd.extend(out_bwd)
-    per_micro_batch = fwd.total + bwd.total
+    output = steps.output_layer(layout, vocab)
+    per_rank = layout.layers_per_rank(model.num_layers)
+    passes = [_micro_batch_passes(layer_fwd, layer_bwd, layers, layout.recompute, output if rank == layout.pp - 1 else None)
+              for rank, layers in enumerate(per_rank)]
+    times = [fwd.total + bwd.total for fwd, bwd in passes]
+    slowest = times.index(max(times))
+    fwd, bwd = passes[slowest]
 
     step = Phase()
     step.extend(fwd, micro_batches)
     step.extend(bwd, micro_batches)
     if layout.pp > 1:
-        step.add("pp_bubble", (layout.pp - 1) / layout.virtual_stages * per_micro_batch)
+        step.add("pp_bubble", (sum(times) - times[slowest]) / layout.virtual_stages)
         boundary = layout.micro_batch_size * seq_length / layout.cp * model.hidden_size * 2
         boundary /= layout.tp if layout.sequence_parallel else 1
         across = layout.gpus // layout.pp >= cluster.gpus_per_node
         hops = 2 * (layout.pp * layout.virtual_stages - 1)  # the fill and the drain
+        if layout.framework == "tessera":   # its runner waits for each batch of transfers
+            hops += 2 * layout.virtual_stages * micro_batches
         step.add("pp_p2p", hops * cluster.send(boundary, across))
         if model.tie_embeddings:  # first and last stage sum their embedding gradients
             embedding = vocab * model.hidden_size / layout.tp * GRAD_BYTES
             step.add("dp_comm", cluster.all_reduce(embedding, 2, 1))
-    stage = "only" if layout.pp == 1 else "last"
-    params = stage_parameters(model, layout, vocab, stage)
-    _data_parallel(step, steps, layout, params, layer_fwd, layer_bwd, fwd.total, bwd.total, micro_batches)
+    params = stage_parameters(model, layout, vocab, slowest)
+    _data_parallel(step, steps, layout, params, layer_fwd, layer_bwd, fwd.total, bwd.total, micro_batches,
+                   per_rank[slowest])
 
     memory = estimate_memory(model, layout, global_batch_size, seq_length, vocab)
     model_flops = flops_per_iteration(model, global_batch_size, seq_length, vocab, causal=causal_flops)
@@ -242,8 +242,62 @@ def predict(model: ModelConfig, layout: Layout, cluster: Cluster, curves: Kernel
                       global_batch_size * seq_length)
 
 
+def balance_pipeline(model: ModelConfig, layout: Layout, cluster: Cluster, curves: KernelCurves,
+                     seq_length: int) -> Layout:
+    """The layout with --decoder-first/last-pipeline-num-layers set so that the slowest
+    pipeline rank is as fast as it can be (the even split if nothing beats it).
+
+    The last rank also runs the output layer and the loss (about 2 layers' worth for a 50k
+    vocabulary at h = 2048), so it usually gives layers to the first. Splits within a few
+    layers of even are tried; the step time falls with the slowest rank's time, because the
+    sum of all ranks' times (the fill and the drain) does not depend on the split.
+    """
+    if layout.pp == 1:
+        return layout
+    steps = StepModel(model, cluster, curves, seq_length)
+    layer_fwd, layer_bwd = steps.layer(layout)
+    layer = sum(phase.total for phase in _micro_batch_passes(layer_fwd, layer_bwd, 1, layout.recompute, None))
+    output = sum(phase.total for phase in steps.output_layer(layout, model.padded_vocab_size(layout.tp)))
+    even = model.num_layers // (layout.pp * layout.virtual_stages)
+    reach = range(max(1, even - math.ceil(output / layer) - 1), even + math.ceil(output / layer) + 2)
+
+    def cost(first: int | None, last: int | None) -> tuple[float, int]:
+        """(slowest rank's time, layers moved): among equally fast splits the nearest to even,
+        whose chunks stay alike under interleaving."""
+        candidate = replace(layout, first_stage_layers=first, last_stage_layers=last)
+        per_rank = candidate.layers_per_rank(model.num_layers)
+        slowest = max(layers * layer + (output if rank == layout.pp - 1 else 0.0) for rank, layers in enumerate(per_rank))
+        return round(slowest / layer, 6), sum(abs(size - even) for size in candidate.stage_layers(model.num_layers))
+
+    options = {}
+    for first, last in itertools.product([None, *reach], repeat=2):
+        try:
+            options[(first, last)] = cost(first, last)
+        except ConfigError:   # the other stages cannot split the rest evenly
+            continue
+    first, last = min(options, key=options.get)
+    return replace(layout, first_stage_layers=first, last_stage_layers=last)
+
+
+def _micro_batch_passes(layer_fwd: Phase, layer_bwd: Phase, layers: int, recompute: str,
+                        output: tuple[Phase, Phase] | None) -> tuple[Phase, Phase]:
+    """Forward and backward of one micro-batch on a pipeline rank with `layers` layers (and
+    the output layer and loss on the last rank)."""
+    fwd, bwd = Phase(), Phase()
+    fwd.extend(layer_fwd, layers)
+    bwd.extend(layer_bwd, layers)
+    if recompute == "full":
+        bwd.extend(layer_fwd, layers, rename="recompute")
+    elif recompute == "selective":
+        bwd.add("recompute", layers * layer_fwd.times["attention"])
+    if output is not None:
+        fwd.extend(output[0])
+        bwd.extend(output[1])
+    return fwd, bwd
+
+
 def _data_parallel(step: Phase, steps: StepModel, layout: Layout, params: float, layer_fwd: Phase,
-                   layer_bwd: Phase, fwd_time: float, bwd_time: float, micro_batches: int) -> None:
+                   layer_bwd: Phase, fwd_time: float, bwd_time: float, micro_batches: int, layers: int) -> None:
     """Gradient reduction, parameter gathering and the optimizer step."""
     cluster = steps.cluster
     ranks = layout.dp * layout.cp
@@ -254,12 +308,12 @@ def _data_parallel(step: Phase, steps: StepModel, layout: Layout, params: float,
     if ranks > 1 and layout.fsdp:
         # Per layer and micro-batch: gather bf16 weights for forward and again for backward,
         # reduce-scatter fp32 gradients; prefetching hides them behind the layer's compute.
-        layer_params = params / (steps.model.num_layers / layout.pp)
+        layer_params = params / layers
         gather = cluster.all_gather(layer_params * PARAM_GATHER_BYTES, ranks, per_node)
         scatter = cluster.reduce_scatter(layer_params * GRAD_BYTES, ranks, per_node)
         per_layer = _overlapped(gather, layer_fwd.total, True, link) + \
             _overlapped(gather + scatter, layer_bwd.total, True, link)
-        step.add("dp_comm", micro_batches * steps.model.num_layers / layout.pp * per_layer + gather)
+        step.add("dp_comm", micro_batches * layers * per_layer + gather)
     elif ranks > 1 and layout.distributed_optimizer:
         scatter = cluster.reduce_scatter(params * GRAD_BYTES, ranks, per_node)
         gather = cluster.all_gather(params * PARAM_GATHER_BYTES, ranks, per_node)

@@ -28,8 +28,8 @@ from tessera.data.mock import MockGPTDataset
 from tessera.models.gpt import GPTModel, Recompute, initialize_parameters
 from tessera.parallel.fsdp import apply_fsdp2
 from tessera.parallel.mesh import Mesh, init_distributed
-from tessera.parallel.pipeline import PipelineGroups, PipelineRunner, stage_layer_ranges
-from tessera.parallel.pipeline_schedules import build_schedule
+from tessera.parallel.pipeline import PipelineGroups, PipelineRunner
+from tessera.parallel.pipeline_schedules import build_schedule, stage_layer_ranges
 from tessera.perf.flops import count_parameters, flops_per_iteration
 from tessera.training.checkpoint import Checkpointer
 from tessera.training.nan_check import NonFiniteCheck

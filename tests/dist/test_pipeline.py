@@ -88,7 +88,7 @@ def test_pipeline_layout_matches_single_process(references, results, layout):
 
 def test_stage_layer_ranges():
     from tessera.config import ConfigError
-    from tessera.parallel.pipeline import stage_layer_ranges
+    from tessera.parallel.pipeline_schedules import stage_layer_ranges
 
     assert stage_layer_ranges(8, 2) == [range(0, 4), range(4, 8)]
     assert stage_layer_ranges(8, 2, 2) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]

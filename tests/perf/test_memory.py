@@ -53,9 +53,23 @@ def test_parameters_and_18_bytes_each_on_one_gpu():
     # Per layer: QKV and projection 4h^2 + 4h, MLP 8h^2 + 5h, two LayerNorms 4h.
     per_layer = 12 * H * H + 13 * H
     total = L * per_layer + 2 * H + 1024 * H + S * H   # final norm, padded vocab 1024, positions
-    assert stage_parameters(model, Layout(), 1024, "only") == total
+    assert stage_parameters(model, Layout(), 1024, 0) == total
     memory = estimate_memory(model, Layout(micro_batch_size=B), 4, S)
     assert memory.weights + memory.gradients + memory.optimizer == pytest.approx(18 * total)
+
+
+def test_each_pipeline_rank_is_counted_with_its_own_layers():
+    # 8 layers over 4 ranks as 1 + 3 + 3 + 1: rank 0 holds 4 micro-batches of 1 layer, rank 1
+    # holds 3 of 3 layers and is the fullest; an even split would make rank 0 the fullest.
+    model, layout = gpt(), Layout(pp=4, micro_batch_size=B, first_stage_layers=1, last_stage_layers=1)
+    per_layer = 12 * H * H + 13 * H
+    assert stage_parameters(model, layout, 1024, 1) == 3 * per_layer
+    assert stage_parameters(model, layout, 1024, 3) == per_layer + 2 * H + 1024 * H  # final norm, output layer
+    memory = estimate_memory(model, layout, 8, S)
+    assert memory.stage == "pipeline rank 1 of 4"
+    assert memory.activations == pytest.approx(3 * 3 * layer_activation_bytes(model, layout, S))
+    even = estimate_memory(model, Layout(pp=4, micro_batch_size=B), 8, S)
+    assert even.stage == "pipeline rank 0 of 4"
 
 
 def test_distributed_optimizer_shards_only_the_optimizer_state():

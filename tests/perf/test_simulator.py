@@ -65,15 +65,31 @@ def test_one_ideal_gpu_takes_the_real_flops_over_peak():
     assert prediction.mfu == pytest.approx(counted / PEAK / expected)
 
 
+def layer_seconds(layers):
+    """One micro-batch (one sequence) through `layers` layers on the ideal GPU."""
+    return layers * S * (6 * 12 * H * H + 3.5 * 2 * S * H) / PEAK
+
+
 def test_pipeline_bubble_by_hand():
+    # The slowest (last) stage runs m micro-batches; the fill and the drain add every other
+    # stage's micro-batch time once, divided over v chunks.
     m, p = 8, 4
-    layout = Layout(pp=p, micro_batch_size=1)
+    prediction = predict(gpt(), Layout(pp=p, micro_batch_size=1), IDEAL, IDEAL_CURVES, m, S)
+    stage = layer_seconds(L / p)
+    last_stage = stage + S * 6 * H * V / PEAK     # the last stage also computes the logits
+    assert prediction.step_time == pytest.approx(m * last_stage + (p - 1) * stage, rel=1e-6)
+    interleaved = predict(gpt(), Layout(pp=2, virtual_stages=2), IDEAL, IDEAL_CURVES, m, S)
+    assert interleaved.breakdown["pp_bubble"] == pytest.approx((2 - 1) / 2 * layer_seconds(L / 2))
+
+
+def test_uneven_pipeline_by_hand():
+    # 4 layers over 2 stages as 3 + 1: the first stage is the slowest now.
+    m = 8
+    layout = Layout(pp=2, first_stage_layers=3, last_stage_layers=1)
     prediction = predict(gpt(), layout, IDEAL, IDEAL_CURVES, m, S)
-    layers = S * (6 * L / p * 12 * H * H + L / p * 3.5 * 2 * S * H)
-    last_stage = (layers + S * 6 * H * V) / PEAK     # the last stage also computes the logits
-    assert prediction.step_time == pytest.approx((m + p - 1) * last_stage, rel=1e-6)
-    interleaved = predict(gpt(), Layout(pp=p, virtual_stages=2), IDEAL, IDEAL_CURVES, m, S)
-    assert interleaved.breakdown["pp_bubble"] == pytest.approx((p - 1) / 2 * last_stage)
+    first, last = layer_seconds(3), layer_seconds(1) + S * 6 * H * V / PEAK
+    assert first > last
+    assert prediction.step_time == pytest.approx(m * first + last, rel=1e-6)
 
 
 def test_exposed_data_parallel_communication_by_hand():
