@@ -9,7 +9,7 @@ Measures what tessera.perf.kernels models, and writes it as JSON that `fit_curve
   16k tokens per call, 16 heads of 128, on the FLOPs really done (2*b*s^2*h*d forward,
   2.5x that backward), and the slowdown with dropout 0.1;
 - a 4 GiB device-to-device copy (read + write bytes).
-Each measurement is the median of CUDA-event timings after warm-up. About 1-2 minutes on
+Each measurement is the median of CUDA-event timings after warm-up. About 15 seconds on
 an H200. Prints a table; `tessera plan` uses the committed JSON automatically.
 """
 

@@ -143,6 +143,13 @@ class StepModel:
         rope = 4 * (q + kv) if model.position_embedding_type == "rope" else 0
         fwd.add("memory_bound", tokens * (20 * h / sp + (act_fwd + rope) / t) / self.hbm)
         bwd.add("memory_bound", tokens * (20 * h / sp + (act_bwd + rope) / t) / self.hbm)
+        if layout.sequence_parallel and layout.framework == "tessera":
+            # tessera's activations are [batch, seq, hidden]: each of the pass's two all-gathers
+            # and two reduce-scatters along seq copies its input and output to and from
+            # seq-first layout (bf16, read + write, the full and the 1/t tensor).
+            transposes = 4 * 2 * 2 * tokens * h * (1 + 1 / t)
+            fwd.add("memory_bound", transposes / self.hbm)
+            bwd.add("memory_bound", transposes / self.hbm)
 
         if t > 1:
             self._tensor_parallel_comm(layout, tokens * h * 2, qkv, proj, fc1, fc2, fwd, bwd)
@@ -155,7 +162,9 @@ class StepModel:
 
         Without --tp-comm-overlap only the backward's collectives on the weight-gradient
         and input-gradient paths run asynchronously (Megatron's default); with it, TE
-        userbuffers pipeline every collective with its GEMM.
+        userbuffers pipeline every collective with its GEMM. tessera runs each collective
+        between its GEMMs (none hidden) and keeps the gathered GEMM inputs, so its backward
+        has the forward's collectives conjugated and no re-gather.
         """
         ranks, per_node = layout.tp, min(layout.tp, self.cluster.gpus_per_node)
         link = self.cluster.link(ranks, per_node)
@@ -164,7 +173,13 @@ class StepModel:
         def beside(comm: float, gemm: float, overlap: bool) -> float:
             return _overlapped(comm, gemm, overlap, link)
 
-        if layout.sequence_parallel:
+        if layout.framework == "tessera":
+            forward = 2 * (self.cluster.all_gather(nbytes, ranks, per_node)
+                           + self.cluster.reduce_scatter(nbytes, ranks, per_node)) \
+                if layout.sequence_parallel else 2 * self.cluster.all_reduce(nbytes, ranks, per_node)
+            fwd.add("tp_comm", forward)
+            bwd.add("tp_comm", forward)
+        elif layout.sequence_parallel:
             gather = self.cluster.all_gather(nbytes, ranks, per_node)
             scatter = self.cluster.reduce_scatter(nbytes, ranks, per_node)
             fwd.add("tp_comm", beside(gather, qkv[0], tpo) + beside(scatter, proj[0], tpo)
