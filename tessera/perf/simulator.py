@@ -277,8 +277,8 @@ def balance_pipeline(model: ModelConfig, layout: Layout, cluster: Cluster, curve
     reach = range(max(1, even - math.ceil(output / layer) - 1), even + math.ceil(output / layer) + 2)
 
     def cost(first: int | None, last: int | None) -> tuple[float, int]:
-        """(slowest rank's time, layers moved): among equally fast splits the nearest to even,
-        whose chunks stay alike under interleaving."""
+        """(slowest rank's time in layers, stages' distance from even): among equally fast
+        splits the nearest to even, whose chunks stay alike under interleaving."""
         candidate = replace(layout, first_stage_layers=first, last_stage_layers=last)
         per_rank = candidate.layers_per_rank(model.num_layers)
         slowest = max(layers * layer + (output if rank == layout.pp - 1 else 0.0) for rank, layers in enumerate(per_rank))
