@@ -1,6 +1,6 @@
-"""Where one training step's GPU time goes: torch.profiler over a few steps of config A or B.
+"""Where one training step's GPU time goes: torch.profiler over a few steps of config A, B, M or C.
 
-    python bench/profile_step.py --config B [--steps 3] [--out trace_dir]
+    python bench/profile_step.py --config B [--steps 3] [--out trace_dir] [-- extra tessera flags]
 
 Prints the top CUDA kernels and a breakdown by kind (GEMM, attention, optimizer,
 elementwise/reduction, copies), as a fraction of the step.
@@ -27,6 +27,7 @@ KINDS = [  # (kind, substrings of the kernel name), first match wins
     ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
     ("gemm", ("gemm", "sm90_xmma", "cutlass", "nvjet", "matmul")),
     ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("gather/scatter (MoE permutation)", ("index", "gather", "scatter", "sort", "radix")),
     ("copy", ("memcpy", "memset", "copy")),
 ]
 
@@ -44,7 +45,7 @@ def main() -> None:
     parser.add_argument("--out")
     parser.add_argument("extra", nargs="*")
     args = parser.parse_args()
-    flags = CONFIGS[args.config] + COMMON + ["--train-iters", "100"] + args.extra
+    flags = COMMON + CONFIGS[args.config] + ["--train-iters", "100"] + args.extra
     config, _ = parse_run_config(flags, "bench/profile_step.py")
     trainer = Trainer(config)
     for _ in range(args.warmup):

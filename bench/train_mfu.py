@@ -10,10 +10,14 @@ per GPU from the slowest rank's time, and memory is the fullest GPU's, as the an
 
 A: GPT 1.3B (24 x 2048, 16 heads, GeLU ffn 8192, LayerNorm, learned positions, vocab 50304,
    tied). B: LLaMA-style 1.2B (24 x 2048, 16 heads / 4 KV groups, SwiGLU ffn 5632,
-   RMSNorm, RoPE 5e5, vocab 32000, untied). Both: seq 2048, micro-batch 8, bf16 autocast
-   over fp32 master weights, AdamW (0.9, 0.95, wd 0.1), clip 1.0, dropout 0, no recompute:
-   exactly the shapes and timing of shared/anchors/NOTES.md, so the numbers compare with
-   the peers' (10 warm-up steps, then 20 timed steps with a device sync at both ends).
+   RMSNorm, RoPE 5e5, vocab 32000, untied). M: the anchors' fine-grained MoE, B's
+   attention in 12 layers, each with 64 experts (ffn 768), top-8, micro-batch 4. C: a coarse
+   MoE, 12 such layers with 8 experts (ffn 5632), top-2. MoE: dropless, aux loss 1e-2,
+   grouped GEMMs; MFU counts active FLOPs (Megatron's formula). All: seq 2048, micro-batch 8
+   unless said, bf16 autocast over fp32 master weights, AdamW (0.9, 0.95, wd 0.1), clip 1.0,
+   dropout 0, no recompute: exactly the shapes and timing of shared/anchors/NOTES.md, so the
+   numbers compare with the peers' (10 warm-up steps, then 20 timed steps with a device sync
+   at both ends).
 Prints one table row and writes JSON. With pipeline parallelism it also runs
 --bubble-steps more steps, each followed by a device sync, and reports every stage's
 measured idle fraction beside the theoretical (p-1)/(v*m+p-1). --memory-trace FILE
@@ -42,9 +46,16 @@ from tessera.cli.args import parse_run_config  # noqa: E402
 from tessera.perf.flops import flops_per_token  # noqa: E402
 from tessera.training.trainer import Trainer  # noqa: E402
 
+# B's attention with a MoE MLP in 12 layers: top-k softmax renormalised, dropless, aux loss 1e-2.
+_MOE = ["--model", "llama-1.2b", "--num-layers", "12", "--moe-aux-loss-coeff", "1e-2", "--moe-grouped-gemm"]
 CONFIGS = {
     "A": ["--model", "gpt3-1.3b"],          # vocab 50257 is padded to 50304 (multiple of 128)
     "B": ["--model", "llama-1.2b"],
+    # M: the anchors' fine-grained MoE (shared/anchors/common.py): 64 experts, top-8, expert ffn 768, micro-batch 4
+    "M": _MOE + ["--num-experts", "64", "--moe-router-topk", "8", "--moe-ffn-hidden-size", "768",
+                 "--micro-batch-size", "4"],
+    # C: a coarse MoE (Mixtral-like): 8 experts, top-2, expert ffn 5632 (B's MLP), micro-batch 8
+    "C": _MOE + ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "5632"],
 }
 COMMON = ["--mock-data", "--bf16", "--seq-length", "2048", "--micro-batch-size", "8",
           "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "1e-4", "--weight-decay", "0.1",
@@ -62,7 +73,7 @@ def main() -> None:
     parser.add_argument("--out", help="write the result as JSON here")
     parser.add_argument("extra", nargs="*", help="more tessera flags (after --)")
     args = parser.parse_args()
-    flags = CONFIGS[args.config] + COMMON + ["--train-iters", str(args.warmup + args.steps + args.bubble_steps)] \
+    flags = COMMON + CONFIGS[args.config] + ["--train-iters", str(args.warmup + args.steps + args.bubble_steps)] \
         + args.extra
     world = int(os.environ.get("WORLD_SIZE", "1"))
     config, _ = parse_run_config(flags, "bench/train_mfu.py", world_size=world)

@@ -52,8 +52,12 @@ def _field_type(cls: type, field: dataclasses.Field) -> tuple[type, bool]:
 
 
 def _add_section(parser: argparse.ArgumentParser, section: str, cls: type) -> None:
-    group = parser.add_argument_group(f"{section} ({cls.__doc__.splitlines()[0].rstrip('.')})")
+    groups = {None: parser.add_argument_group(f"{section} ({cls.__doc__.splitlines()[0].rstrip('.')})")}
     for field in dataclasses.fields(cls):
+        heading = field.metadata.get("group")
+        if heading not in groups:
+            groups[heading] = parser.add_argument_group(f"{section} ({heading})")
+        group = groups[heading]
         base, is_list = _field_type(cls, field)
         help_text = field.metadata.get("help", "")
         if field.default is not None and field.default is not dataclasses.MISSING and base is not bool:
@@ -64,7 +68,8 @@ def _add_section(parser: argparse.ArgumentParser, section: str, cls: type) -> No
         elif base is bool:
             kwargs["action"] = "store_true"
         else:
-            kwargs.update(type=base, choices=field.metadata.get("choices"), metavar=field.name.upper())
+            kwargs.update(type=field.metadata.get("parse", base), choices=field.metadata.get("choices"),
+                          metavar=field.name.upper())
             if field.metadata.get("choices"):
                 kwargs["metavar"] = "{" + ",".join(map(str, field.metadata["choices"])) + "}"
             if is_list:
@@ -95,6 +100,8 @@ def _check_yaml_value(path: str, section: str, name: str, value: Any) -> Any:
     base, is_list = _field_type(cls, field)
     if value is None:
         return None
+    if "parse" in field.metadata:
+        return field.metadata["parse"](value)
     if is_list:
         value = value if isinstance(value, list) else str(value).split()
         return [base(v) for v in value]

@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 
 from tessera.cli.args import fail
+from tessera.config import ConfigError
+from tessera.interop.hf_config import FAMILIES
 
 PROG = "tessera convert"
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Convert between Hugging Face and tessera checkpoints "
-                                     "(Llama 2/3, Mistral, Qwen2/2.5, GPT-2; local directories only).")
+                                     "(Llama 2/3, Mistral, Qwen2/2.5, GPT-2, Mixtral, Qwen2-MoE, Qwen3-MoE; local directories only).")
     sub = parser.add_subparsers(dest="direction", required=True)
     to_tessera = sub.add_parser("hf-to-tessera", help="HF directory (config.json + safetensors) -> tessera checkpoint")
     to_tessera.add_argument("--input", required=True, metavar="HF_DIR")
@@ -21,7 +23,7 @@ def _parser() -> argparse.ArgumentParser:
     to_hf = sub.add_parser("tessera-to-hf", help="tessera checkpoint (its newest) -> HF directory")
     to_hf.add_argument("--input", required=True, metavar="CKPT_DIR")
     to_hf.add_argument("--output", required=True, metavar="HF_DIR")
-    to_hf.add_argument("--model-type", choices=("llama", "mistral", "qwen2", "gpt2"),
+    to_hf.add_argument("--model-type", choices=FAMILIES,
                        help="HF family (default: the imported one, else inferred from the architecture)")
     to_hf.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                        help="weights dtype (default: the imported model's, else float32)")
@@ -40,7 +42,7 @@ def main(argv: list[str]) -> int:
         else:
             tessera_to_hf(args.input, args.output, family=args.model_type, dtype=args.dtype,
                           max_shard_bytes=int(args.max_shard_size_gb * 2**30))
-    except (FileNotFoundError, UnsupportedModel) as exc:
+    except (FileNotFoundError, UnsupportedModel, ConfigError) as exc:
         fail(f"{PROG} {args.direction}", str(exc))
     print(f"{PROG}: wrote {args.output}")
     return 0

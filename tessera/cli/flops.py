@@ -1,4 +1,5 @@
-"""`tessera flops`: parameters, FLOPs per token and iteration, and the MFU a speed means."""
+"""`tessera flops`: parameters (total and, for MoE, active per token), FLOPs per token and
+iteration, and the MFU a speed means."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def report(model: ModelConfig, args: argparse.Namespace) -> dict:
     params = count_parameters(model)
     per_iteration = flops_per_iteration(model, args.global_batch_size)
     result = {
-        "parameters": params.total, "embedding_parameters": params.embedding,
+        "parameters": params.total, "active_parameters": params.active, "embedding_parameters": params.embedding,
         "non_embedding_parameters": params.non_embedding, "padded_vocab_size": model.padded_vocab_size(),
         "seq_length": model.seq_length, "global_batch_size": args.global_batch_size,
         "flops_per_token": flops_per_token(model), "flops_per_iteration": per_iteration,
@@ -60,6 +61,9 @@ def main(argv: list[str]) -> int:
     print(f"parameters:         {result['parameters'] / 1e9:10.3f} B  "
           f"(embedding {result['embedding_parameters'] / 1e9:.3f} B, "
           f"non-embedding {result['non_embedding_parameters'] / 1e9:.3f} B; vocab padded to {result['padded_vocab_size']})")
+    if model.num_experts:
+        print(f"active per token:   {result['active_parameters'] / 1e9:10.3f} B  "
+              f"({model.moe_router_topk} of {model.num_experts} experts; FLOPs count these)")
     print(f"FLOPs per token:    {result['flops_per_token'] / 1e9:10.3f} GFLOP  (forward + backward, seq {model.seq_length})")
     print(f"FLOPs per iteration:{result['flops_per_iteration'] / 1e12:10.3f} TFLOP  (global batch {args.global_batch_size})")
     if "tflops_per_gpu" in result:

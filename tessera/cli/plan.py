@@ -1,6 +1,7 @@
 """`tessera plan`: predicted memory, step time and MFU; the best layouts, or one layout explained.
 
     tessera plan --model llama3-70b --gpus 64 --gpu h100 --global-batch-size 512 --seq-length 8192
+    tessera plan --model mixtral-8x7b --gpus 64                # EP searched too; batch ~1M tokens
     tessera plan --model gpt3-175b --gpus 1024 --global-batch-size 1536 --explain \\
         --tensor-model-parallel-size 4 --pipeline-model-parallel-size 8 --sequence-parallel \\
         --num-layers-per-virtual-pipeline-stage 2 --use-distributed-optimizer
@@ -8,7 +9,8 @@
 
 Layout flags are `tessera train`'s; any given (on the command line or in --config) is held
 fixed while the others are searched, with every overlap on as in a tuned run. --explain
-predicts exactly the layout given, with `tessera train`'s defaults for the rest.
+predicts exactly the layout given, with `tessera train`'s defaults for the rest
+(--expert-tensor-parallel-size = TP, the allgather dispatcher).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import json
 from tessera.cli.args import build_parser, fail, resolve
 from tessera.config import SECTIONS, ConfigError, ModelConfig, flag
 from tessera.perf.cluster import CLUSTERS, lookup_cluster
+from tessera.perf.flops import count_parameters
 from tessera.perf.kernels import load_curves
 from tessera.perf.layout import Layout, check_layout
 from tessera.perf.memory import GIB, usable_bytes
@@ -27,6 +30,9 @@ from tessera.perf.search import SearchSpace, search
 from tessera.perf.simulator import Prediction, predict
 
 PROG = "tessera plan"
+# A search needs a batch: without --global-batch-size, about a million tokens, the size of
+# Megatron's MoE reference runs (256 sequences of 4096).
+DEFAULT_BATCH_TOKENS = 2**20
 
 
 def _extra(parser: argparse.ArgumentParser) -> None:
@@ -41,7 +47,8 @@ def _extra(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--non-causal-flops", action="store_true",
                        help="count attention FLOPs without causal halving (Megatron before 2025)")
     group.add_argument("--published", action="store_true",
-                       help="reproduce Megatron's published H100 weak/strong scaling and print the error tables")
+                       help="reproduce Megatron's published H100 weak/strong scaling and Mixtral 8x7B point, "
+                            "and print the error tables")
     group.add_argument("--figures", metavar="DIR", help="with --published: write the scaling figures (PNG) here")
     # Layout flags of Megatron that tessera's config may not have yet; added here only
     # while config.py lacks them, so the planner keeps working as they move there.
@@ -77,6 +84,8 @@ def _fixed_layout(values: dict, args: argparse.Namespace, model: ModelConfig) ->
     virtual = _virtual_stages(values, args, model, pp) or 1
     mbs = _setting(values, args, "micro_batch_size", 1)
     layout = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=_setting(values, args, "expert_model_parallel_size", 1),
+                    etp=_setting(values, args, "expert_tensor_parallel_size"),
+                    moe_dispatcher=_setting(values, args, "moe_token_dispatcher_type", "allgather"),
                     virtual_stages=virtual, micro_batch_size=mbs,
                     first_stage_layers=_setting(values, args, "decoder_first_pipeline_num_layers"),
                     last_stage_layers=_setting(values, args, "decoder_last_pipeline_num_layers"),
@@ -112,7 +121,9 @@ def _space(values: dict, args: argparse.Namespace, model: ModelConfig) -> Search
     pp = _setting(values, args, "pipeline_model_parallel_size")
     virtual = _virtual_stages(values, args, model, pp) if pp else None
     return SearchSpace(tp=given("tensor_model_parallel_size"), pp=given("pipeline_model_parallel_size"),
-                       cp=given("context_parallel_size"), virtual_stages=(virtual,) if virtual else None,
+                       cp=given("context_parallel_size"), ep=given("expert_model_parallel_size"),
+                       etp=given("expert_tensor_parallel_size"), moe_dispatcher=given("moe_token_dispatcher_type"),
+                       virtual_stages=(virtual,) if virtual else None,
                        micro_batch_size=given("micro_batch_size"), recompute=given("recompute_granularity"),
                        first_stage_layers=_setting(values, args, "decoder_first_pipeline_num_layers"),
                        last_stage_layers=_setting(values, args, "decoder_last_pipeline_num_layers"),
@@ -129,6 +140,7 @@ def as_dict(prediction: Prediction, model: ModelConfig, capacity: float) -> dict
         "tokens_per_sec": prediction.tokens_per_sec, "memory_gb_per_gpu": prediction.memory.total / 1e9,
         "memory_gib_per_gpu": prediction.memory.total / GIB, "fits": prediction.memory.total <= capacity,
         "memory_gib": {k: v / GIB for k, v in prediction.memory.as_dict().items()},
+        "expert_state_gib": prediction.memory.expert_state / GIB,
         "time_s": dict(prediction.breakdown),
     }
 
@@ -140,6 +152,8 @@ def _print_breakdown(prediction: Prediction, capacity: float) -> None:
           f"{memory.total / GIB:.1f} GiB of {capacity / GIB:.1f} usable: {fits}")
     for name, value in memory.as_dict().items():
         print(f"  {name:<12} {value / GIB:8.2f} GiB")
+    if memory.expert_state:
+        print(f"  (of weights, gradients and optimizer, routed experts {memory.expert_state / GIB:.2f} GiB)")
     print(f"time per iteration {step:.3f} s (slowest stage):")
     for name, value in sorted(prediction.breakdown.items(), key=lambda item: -item[1]):
         print(f"  {name:<12} {value:8.3f} s  {value / step * 100:5.1f}%")
@@ -148,12 +162,17 @@ def _print_breakdown(prediction: Prediction, capacity: float) -> None:
 
 
 def _published(args: argparse.Namespace) -> int:
-    from tessera.perf.published import STRONG_SCALING, WEAK_SCALING, error_table, reproduce
+    from tessera.perf.published import (MIXTRAL_TFLOPS, STRONG_SCALING, WEAK_SCALING, error_table, predict_mixtral,
+                                        reproduce)
 
     curves = load_curves(args.gemm_curve, gpu_name="H100")
     weak, strong = reproduce(WEAK_SCALING, curves), reproduce(STRONG_SCALING, curves)
     print(f"kernel curves: {curves.source}\n\nWeak scaling (H100, seq 4096, DP 48)\n{error_table(weak)}")
     print(f"\nStrong scaling (177B, batch 1152)\n{error_table(strong)}")
+    mixtral = predict_mixtral(curves)
+    print(f"\nMixtral 8x7B, 64 H100, {mixtral.layout.describe()}: published {MIXTRAL_TFLOPS:.0f} TFLOP/s/GPU, "
+          f"predicted {mixtral.tflops_per_gpu:.0f} ({mixtral.tflops_per_gpu / MIXTRAL_TFLOPS - 1:+.1%}), "
+          f"{mixtral.memory.total / GIB:.1f} GiB/GPU")
     if args.figures:
         from tessera.perf.figures import scaling_figure
 
@@ -184,9 +203,7 @@ def main(argv: list[str]) -> int:
         else:
             if not args.gpus:
                 raise ConfigError("--gpus is required to search (or give --explain with a layout)")
-            batch = _setting(values, args, "global_batch_size")
-            if not batch:
-                raise ConfigError("--global-batch-size is required to search")
+            batch = _setting(values, args, "global_batch_size") or max(1, DEFAULT_BATCH_TOKENS // model.seq_length)
             results = search(model, args.gpus, cluster, curves, batch, model.seq_length,
                              _space(values, args, model), causal, args.top)
             if not results:
@@ -196,12 +213,16 @@ def main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps([as_dict(p, model, capacity) for p in results], indent=1))
         return 0
+    params = count_parameters(model)
+    active = f", {params.active / 1e9:.1f}B active per token" if params.inactive else ""
+    print(f"{params.total / 1e9:.1f}B parameters{active}; global batch {batch} x seq {model.seq_length}")
     print(f"{cluster.name}; kernel curves: {curves.source}")
-    print(f"{'layout':<38} {'MFU':>6} {'TFLOP/s':>8} {'step s':>8} {'tokens/s':>11} {'GiB/GPU':>8}")
+    width = max(38, *(len(p.layout.describe()) for p in results))
+    print(f"{'layout':<{width}} {'MFU':>6} {'TFLOP/s':>8} {'step s':>8} {'tokens/s':>11} {'GiB/GPU':>8}")
     for p in results:
-        print(f"{p.layout.describe():<38} {p.mfu * 100:5.1f}% {p.tflops_per_gpu:8.0f} {p.step_time:8.3f} "
+        print(f"{p.layout.describe():<{width}} {p.mfu * 100:5.1f}% {p.tflops_per_gpu:8.0f} {p.step_time:8.3f} "
               f"{p.tokens_per_sec:11,.0f} {p.memory.total / GIB:8.1f}")
     _print_breakdown(results[0], capacity)
     if not args.explain:
-        print("\ntrain with: " + " ".join(results[0].layout.flags()))
+        print("\ntrain with: " + " ".join(results[0].layout.flags() + ["--global-batch-size", str(batch)]))
     return 0

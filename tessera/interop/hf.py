@@ -7,6 +7,9 @@
 Tessera fuses what HF keeps apart: q, k and v rows into one `qkv` weight and Llama's
 gate and up projections into `fc1` ([gate; up], the order tessera's SwiGLU chunks in).
 GPT-2 stores linear weights as Conv1D ([in, out]); tessera as nn.Linear ([out, in]).
+MoE experts (Mixtral, Qwen2-MoE, Qwen3-MoE) are stacked per layer, fc1 [E, 2I, H] and fc2
+[E, H, I]: import reads the per-expert files of every checkpoint and transformers 5's
+fused in-memory layout alike; export writes the per-expert layout transformers writes.
 The vocabulary is padded for tensor parallelism on import (zero rows, never a target)
 and cut back on export, so HF -> tessera -> HF gives back every tensor bit for bit.
 Only local directories are read: nothing is downloaded.
@@ -29,6 +32,12 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _GPT2_NORMS = (("ln_1", "input_norm"), ("ln_2", "post_attention_norm"))
 _GPT2_LINEARS = (("attn.c_attn", "attention.qkv"), ("attn.c_proj", "attention.proj"),
                  ("mlp.c_fc", "mlp.fc1"), ("mlp.c_proj", "mlp.fc2"))  # Conv1D weights are [in, out]
+# MoE layers on disk, per expert: (module of the layer's MoE block, gate, up, down projection).
+# transformers 5 fuses the experts in memory (mlp.experts.gate_up_proj [E, 2I, H] = [gate; up],
+# mlp.experts.down_proj [E, H, I]) and writes these names back unless save_original_format=False.
+_EXPERT_NAMES = {"mixtral": ("block_sparse_moe.", "w1", "w3", "w2"),
+                 "qwen2_moe": ("mlp.", "gate_proj", "up_proj", "down_proj"),
+                 "qwen3_moe": ("mlp.", "gate_proj", "up_proj", "down_proj")}
 
 
 # -- reading and writing HF directories ---------------------------------------------
@@ -111,17 +120,13 @@ def tessera_state_from_hf(hf_config: dict, hf: dict[str, torch.Tensor], model: M
         out["final_norm.weight"], out["final_norm.bias"] = hf["ln_f.weight"], hf["ln_f.bias"]
     else:
         out["embedding.weight"] = _pad_rows(hf["model.embed_tokens.weight"], vocab)
-        for i in range(model.num_layers):
+        for i, moe in enumerate(model.moe_layers()):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
-            attn = src + "self_attn."
-            out[dst + "input_norm.weight"] = hf[src + "input_layernorm.weight"]
-            out[dst + "post_attention_norm.weight"] = hf[src + "post_attention_layernorm.weight"]
-            out[dst + "attention.qkv.weight"] = torch.cat([hf[f"{attn}{p}_proj.weight"] for p in "qkv"])
-            if model.add_qkv_bias:
-                out[dst + "attention.qkv.bias"] = torch.cat([hf[f"{attn}{p}_proj.bias"] for p in "qkv"])
-            out[dst + "attention.proj.weight"] = hf[attn + "o_proj.weight"]
-            out[dst + "mlp.fc1.weight"] = torch.cat([hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]])
-            out[dst + "mlp.fc2.weight"] = hf[src + "mlp.down_proj.weight"]
+            out.update(_attention_from_hf(hf, src, dst, model))
+            if moe:
+                out.update(_moe_from_hf(hf, src, dst + "mlp.", model, hf_config["model_type"]))
+            else:
+                out[dst + "mlp.fc1.weight"], out[dst + "mlp.fc2.weight"] = _swiglu_from_hf(hf, src + "mlp.")
         out["final_norm.weight"] = hf["model.norm.weight"]
         if model.untie_embeddings_and_output_weights:
             out["output_weight"] = _pad_rows(hf["lm_head.weight"], vocab)
@@ -146,27 +151,96 @@ def hf_state_from_tessera(state: dict[str, torch.Tensor], model: ModelConfig, fa
                 out[f"{dst}{hf_name}.bias"] = state[f"{src}{name}.bias"]
         out["transformer.ln_f.weight"], out["transformer.ln_f.bias"] = state["final_norm.weight"], state["final_norm.bias"]
     else:
-        q = model.num_attention_heads * model.kv_channels
-        kv = model.num_query_groups * model.kv_channels
         out["model.embed_tokens.weight"] = state["embedding.weight"][:vocab]
-        for i in range(model.num_layers):
+        for i, moe in enumerate(model.moe_layers()):
             src, dst = f"layers.{i}.", f"model.layers.{i}."
-            attn = dst + "self_attn."
-            out[dst + "input_layernorm.weight"] = state[src + "input_norm.weight"]
-            for p, part in zip("qkv", state[src + "attention.qkv.weight"].split([q, kv, kv])):
-                out[f"{attn}{p}_proj.weight"] = part
-            if model.add_qkv_bias:
-                for p, part in zip("qkv", state[src + "attention.qkv.bias"].split([q, kv, kv])):
-                    out[f"{attn}{p}_proj.bias"] = part
-            out[attn + "o_proj.weight"] = state[src + "attention.proj.weight"]
-            out[dst + "post_attention_layernorm.weight"] = state[src + "post_attention_norm.weight"]
-            gate, up = state[src + "mlp.fc1.weight"].chunk(2)
-            out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = gate, up
-            out[dst + "mlp.down_proj.weight"] = state[src + "mlp.fc2.weight"]
+            out.update(_attention_to_hf(state, src, dst, model))
+            if moe:
+                out.update(_moe_to_hf(state, src + "mlp.", dst, model, family))
+            else:
+                out.update(_swiglu_to_hf(state, src + "mlp.", dst + "mlp."))
         out["model.norm.weight"] = state["final_norm.weight"]
         if model.untie_embeddings_and_output_weights:
             out["lm_head.weight"] = state["output_weight"][:vocab]
     return {name: t.to(dtype).contiguous() for name, t in out.items()}
+
+
+# -- one Llama-like layer: attention, dense MLP, MoE --------------------------------------
+
+def _attention_from_hf(hf: dict[str, torch.Tensor], src: str, dst: str, model: ModelConfig) -> dict:
+    attn = src + "self_attn."
+    out = {dst + "input_norm.weight": hf[src + "input_layernorm.weight"],
+           dst + "post_attention_norm.weight": hf[src + "post_attention_layernorm.weight"],
+           dst + "attention.qkv.weight": torch.cat([hf[f"{attn}{p}_proj.weight"] for p in "qkv"]),
+           dst + "attention.proj.weight": hf[attn + "o_proj.weight"]}
+    if model.add_qkv_bias:
+        out[dst + "attention.qkv.bias"] = torch.cat([hf[f"{attn}{p}_proj.bias"] for p in "qkv"])
+    if model.qk_layernorm:
+        for p in "qk":
+            out[f"{dst}attention.{p}_norm.weight"] = hf[f"{attn}{p}_norm.weight"]
+    return out
+
+
+def _attention_to_hf(state: dict[str, torch.Tensor], src: str, dst: str, model: ModelConfig) -> dict:
+    attn = dst + "self_attn."
+    q = model.num_attention_heads * model.kv_channels
+    kv = model.num_query_groups * model.kv_channels
+    out = {dst + "input_layernorm.weight": state[src + "input_norm.weight"],
+           dst + "post_attention_layernorm.weight": state[src + "post_attention_norm.weight"],
+           attn + "o_proj.weight": state[src + "attention.proj.weight"]}
+    for p, part in zip("qkv", state[src + "attention.qkv.weight"].split([q, kv, kv])):
+        out[f"{attn}{p}_proj.weight"] = part
+    if model.add_qkv_bias:
+        for p, part in zip("qkv", state[src + "attention.qkv.bias"].split([q, kv, kv])):
+            out[f"{attn}{p}_proj.bias"] = part
+    if model.qk_layernorm:
+        for p in "qk":
+            out[f"{attn}{p}_norm.weight"] = state[f"{src}attention.{p}_norm.weight"]
+    return out
+
+
+def _swiglu_from_hf(hf: dict[str, torch.Tensor], prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fc1 = [gate; up], fc2) of the gate/up/down_proj MLP at `prefix`."""
+    fc1 = torch.cat([hf[prefix + "gate_proj.weight"], hf[prefix + "up_proj.weight"]])
+    return fc1, hf[prefix + "down_proj.weight"]
+
+
+def _swiglu_to_hf(state: dict[str, torch.Tensor], src: str, dst: str) -> dict:
+    gate, up = state[src + "fc1.weight"].chunk(2)
+    return {dst + "gate_proj.weight": gate, dst + "up_proj.weight": up,
+            dst + "down_proj.weight": state[src + "fc2.weight"]}
+
+
+def _moe_from_hf(hf: dict[str, torch.Tensor], src: str, dst: str, model: ModelConfig, family: str) -> dict:
+    """Router, stacked experts and shared expert of MoE layer `src`, in either HF layout."""
+    prefix, gate, up, down = _EXPERT_NAMES[family]
+    if src + "mlp.experts.gate_up_proj" in hf:   # fused as in memory: already tessera's [E, 2I, H] / [E, H, I]
+        prefix = "mlp."
+        fc1, fc2 = hf[src + "mlp.experts.gate_up_proj"], hf[src + "mlp.experts.down_proj"]
+    else:
+        experts = [f"{src}{prefix}experts.{j}." for j in range(model.num_experts)]
+        fc1 = torch.stack([torch.cat([hf[f"{e}{gate}.weight"], hf[f"{e}{up}.weight"]]) for e in experts])
+        fc2 = torch.stack([hf[f"{e}{down}.weight"] for e in experts])
+    out = {dst + "router.weight": hf[f"{src}{prefix}gate.weight"], dst + "experts.fc1": fc1, dst + "experts.fc2": fc2}
+    if model.moe_shared_expert_intermediate_size:
+        shared = _swiglu_from_hf(hf, src + "mlp.shared_expert.")
+        out[dst + "shared_expert.fc1.weight"], out[dst + "shared_expert.fc2.weight"] = shared
+        out[dst + "shared_expert_gate"] = hf[src + "mlp.shared_expert_gate.weight"]
+    return out
+
+
+def _moe_to_hf(state: dict[str, torch.Tensor], src: str, dst: str, model: ModelConfig, family: str) -> dict:
+    """The per-expert layout transformers writes by default (and loads into its fused experts)."""
+    prefix, gate, up, down = _EXPERT_NAMES[family]
+    out = {f"{dst}{prefix}gate.weight": state[src + "router.weight"]}
+    for j, (fc1, fc2) in enumerate(zip(state[src + "experts.fc1"], state[src + "experts.fc2"])):
+        expert = f"{dst}{prefix}experts.{j}."
+        out[f"{expert}{gate}.weight"], out[f"{expert}{up}.weight"] = fc1.chunk(2)
+        out[f"{expert}{down}.weight"] = fc2
+    if model.moe_shared_expert_intermediate_size:
+        out.update(_swiglu_to_hf(state, src + "shared_expert.", dst + "mlp.shared_expert."))
+        out[dst + "mlp.shared_expert_gate.weight"] = state[src + "shared_expert_gate"]
+    return out
 
 
 # -- entry points ---------------------------------------------------------------------

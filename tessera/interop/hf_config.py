@@ -1,33 +1,53 @@
 """Hugging Face config.json <-> tessera ModelConfig, for the families tessera can run exactly.
 
-Families: Llama (2, 3), Mistral (without a sliding window), Qwen2/2.5 (QKV bias) and
-GPT-2. Anything the tessera model would compute differently (RoPE scaling, a sliding
-window, biases tessera has no place for, another activation) is refused with a message
-naming the HF field, rather than converted into a model that silently disagrees.
+Families: Llama (2, 3), Mistral (without a sliding window), Qwen2/2.5 (QKV bias), GPT-2,
+and three Mixture-of-Experts families: Mixtral, Qwen2-MoE (also Qwen1.5-MoE: QKV bias, a
+sigmoid-gated shared expert) and Qwen3-MoE (per-head QK norm). Anything the tessera
+model would compute differently (RoPE scaling, a sliding window, biases tessera has no
+place for, another activation, router jitter) is refused with a message naming the HF
+field, rather than converted into a model that silently disagrees.
 
 transformers 5 writes the RoPE base inside `rope_parameters`; 4.x wrote `rope_theta` at
 the top level. Both are read, and both are written so either version loads the export.
+
+Routers (shared/reference/moe.md, section 4): HF's softmax over all experts, top-k,
+renormalise (Mixtral; Qwen's norm_topk_prob true) is Megatron's default top-k then
+softmax over the k; norm_topk_prob false is --moe-router-pre-softmax. Qwen decides which
+layers are MoE by decoder_sparse_step ((i + 1) % step == 0) and mlp_only_layers, which
+--moe-layer-freq's int form (i % N == 0) cannot say, so it becomes an explicit list.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from tessera.config import ModelConfig
+from tessera.config import ModelConfig, flag
+from tessera.config.moe import aux_loss_coefficients
 
-LLAMA_LIKE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+LLAMA_LIKE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+              "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 FAMILIES = (*LLAMA_LIKE, "gpt2")
 _GPT2_ACTIVATIONS = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu": False}  # -> openai_gelu
+_QKV_BIAS = ("qwen2", "qwen2_moe")
+# Families whose sliding window is off unless use_sliding_window says otherwise.
+_WINDOW_SWITCHED = ("qwen2", "qwen2_moe", "qwen3_moe")
+# transformers' class defaults where a family's differ from the common ones.
+_DEFAULTS = {"mixtral": {"rope_theta": 1e6, "rms_norm_eps": 1e-5}}
+# Router features of tessera that none of the HF MoE families computes.
+_ROUTER_DEFAULTS = {"moe_router_score_function": "softmax", "moe_router_topk_scaling_factor": None,
+                    "moe_router_num_groups": None, "moe_router_enable_expert_bias": False,
+                    "moe_expert_capacity_factor": None}
 
 
 class UnsupportedModel(ValueError):
     """The HF model uses a feature tessera's GPTModel does not compute."""
 
 
-def _rope(hf: dict[str, Any]) -> tuple[float, str]:
+def _rope(hf: dict[str, Any], default_theta: float) -> tuple[float, str]:
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    theta = params.get("rope_theta", hf.get("rope_theta", default_theta))
     kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     return float(theta), kind
 
@@ -43,16 +63,15 @@ def model_config_from_hf(hf: dict[str, Any], *, vocab_multiple: int = 128) -> Mo
         return _gpt2_config(hf, vocab_multiple)
     if family not in LLAMA_LIKE:
         raise UnsupportedModel(f"model_type '{family}' is not supported; tessera converts {', '.join(FAMILIES)}")
-    theta, rope_type = _rope(hf)
+    defaults = _DEFAULTS.get(family, {})
+    theta, rope_type = _rope(hf, defaults.get("rope_theta", 10000.0))
     if rope_type != "default":
         raise UnsupportedModel(f"rope_type '{rope_type}' (RoPE scaling) is not supported")
     if hf.get("hidden_act", "silu") != "silu":
         raise UnsupportedModel(f"hidden_act '{hf['hidden_act']}' is not supported (SwiGLU uses silu)")
     if hf.get("mlp_bias") or hf.get("attention_bias"):
         raise UnsupportedModel("attention_bias / mlp_bias are not supported (only Qwen2's QKV bias is)")
-    window = hf.get("sliding_window")
-    if window is not None and (family != "qwen2" or hf.get("use_sliding_window")):
-        raise UnsupportedModel(f"sliding_window {window} is not supported (set it to null)")
+    _check_full_attention(hf, family)
     heads = hf["num_attention_heads"]
     groups = hf.get("num_key_value_heads") or heads
     positions = hf.get("max_position_embeddings", 4096)
@@ -64,11 +83,80 @@ def model_config_from_hf(hf: dict[str, Any], *, vocab_multiple: int = 128) -> Mo
         seq_length=positions, max_position_embeddings=positions,
         vocab_size=hf["vocab_size"], make_vocab_size_divisible_by=vocab_multiple,
         position_embedding_type="rope", rotary_base=theta, normalization="RMSNorm",
-        norm_epsilon=hf.get("rms_norm_eps", 1e-6), swiglu=True, disable_bias_linear=True,
-        add_qkv_bias=family == "qwen2", untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+        norm_epsilon=hf.get("rms_norm_eps", defaults.get("rms_norm_eps", 1e-6)), swiglu=True,
+        disable_bias_linear=True, add_qkv_bias=family in _QKV_BIAS and hf.get("qkv_bias", True),
+        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         hidden_dropout=0.0, attention_dropout=float(hf.get("attention_dropout", 0.0)),
         init_method_std=hf.get("initializer_range", 0.02),
+        **(_moe_config(hf, family) if family in MOE_FAMILIES else {}),
     )
+
+
+def _check_full_attention(hf: dict[str, Any], family: str) -> None:
+    window = hf.get("sliding_window")
+    if family in _WINDOW_SWITCHED:
+        if hf.get("use_sliding_window"):
+            raise UnsupportedModel(f"use_sliding_window (sliding_window {window}) is not supported (set it to false)")
+    elif window is not None:
+        raise UnsupportedModel(f"sliding_window {window} is not supported (set it to null)")
+    kinds = set(hf.get("layer_types") or ()) - {"full_attention"}
+    if kinds:
+        raise UnsupportedModel(f"layer_types {', '.join(sorted(kinds))} are not supported (only full_attention)")
+
+
+def _moe_config(hf: dict[str, Any], family: str) -> dict[str, Any]:
+    """The MoE fields of ModelConfig for a Mixtral, Qwen2-MoE or Qwen3-MoE config."""
+    layers = hf["num_hidden_layers"]
+    if family == "mixtral":
+        if hf.get("router_jitter_noise"):
+            raise UnsupportedModel(f"router_jitter_noise {hf['router_jitter_noise']} is not supported (set it to 0)")
+        expert_ffn, pre_softmax, moe_layers = hf["intermediate_size"], False, [True] * layers
+    else:
+        expert_ffn, pre_softmax = hf["moe_intermediate_size"], not hf.get("norm_topk_prob", False)
+        moe_layers = qwen_moe_layers(hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or [], layers)
+    fields = dict(
+        num_experts=_num_experts(hf), moe_router_topk=hf["num_experts_per_tok"], moe_ffn_hidden_size=expert_ffn,
+        moe_router_pre_softmax=pre_softmax, moe_layer_freq=layer_freq(moe_layers),
+        # HF adds one loss pooled over all layers (k x Megatron's per-layer value at balance);
+        # Megatron sums one loss per layer: the same coefficient weighs balance differently.
+        moe_aux_loss_coeff=[float(hf.get("router_aux_loss_coef", 0.001))],
+    )
+    if family == "qwen2_moe":
+        shared = hf.get("shared_expert_intermediate_size", 5632)
+        if not shared:
+            raise UnsupportedModel(f"shared_expert_intermediate_size {shared} is not supported (Qwen2-MoE's "
+                                   "shared expert must have a width)")
+        fields.update(moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True)
+    if family == "qwen3_moe":
+        fields["qk_layernorm"] = True
+    return fields
+
+
+def _num_experts(hf: dict[str, Any]) -> int:
+    # Mixtral's field is num_local_experts, Qwen's num_experts; transformers 5.24 reads
+    # Mixtral's and Qwen3-MoE's under either name and writes Qwen3-MoE's as num_local_experts.
+    counts = {hf[key] for key in ("num_experts", "num_local_experts") if hf.get(key) is not None}
+    if len(counts) != 1:
+        raise UnsupportedModel(f"num_experts / num_local_experts must give one number of experts, got {counts or None}")
+    (experts,) = counts
+    if experts < 1:
+        raise UnsupportedModel(f"num_experts {experts} is not supported (a MoE model needs experts)")
+    return experts
+
+
+def qwen_moe_layers(step: int, mlp_only_layers: list[int], num_layers: int) -> list[bool]:
+    """Per layer, whether Qwen's decoder_sparse_step and mlp_only_layers make it a MoE layer."""
+    if not isinstance(step, int) or step < 1:
+        raise UnsupportedModel(f"decoder_sparse_step {step!r} is not supported (a positive int is needed)")
+    return [(i + 1) % step == 0 and i not in mlp_only_layers for i in range(num_layers)]
+
+
+def layer_freq(moe_layers: list[bool]) -> str:
+    """--moe-layer-freq of a per-layer pattern: "1" when every layer is MoE (the presets' value,
+    so a preset run can load the import), else an explicit list such as "[1,0,1]"."""
+    if all(moe_layers):
+        return "1"
+    return "[" + ",".join(str(int(moe)) for moe in moe_layers) + "]"
 
 
 def _gpt2_config(hf: dict[str, Any], vocab_multiple: int) -> ModelConfig:
@@ -99,8 +187,28 @@ def infer_family(model: ModelConfig) -> str:
         return "gpt2"
     if model.position_embedding_type == "rope" and model.normalization == "RMSNorm" and model.swiglu \
             and model.disable_bias_linear and model.rotary_percent == 1.0:
-        return "qwen2" if model.add_qkv_bias else "llama"
+        if model.num_experts is not None:
+            return _moe_family(model)
+        if not model.qk_layernorm:
+            return "qwen2" if model.add_qkv_bias else "llama"
     raise UnsupportedModel("this tessera model has no Hugging Face equivalent among " + ", ".join(FAMILIES))
+
+
+def _moe_family(model: ModelConfig) -> str:
+    """The HF MoE family whose router, shared expert and attention this MoE config has."""
+    for name, default in _ROUTER_DEFAULTS.items():
+        if getattr(model, name) != default:
+            raise UnsupportedModel(f"{flag(name)} has no equivalent in the Hugging Face MoE families")
+    shared = model.moe_shared_expert_intermediate_size is not None
+    if shared and model.moe_shared_expert_gate and not model.qk_layernorm:
+        return "qwen2_moe"
+    if not shared and not model.add_qkv_bias:
+        if model.qk_layernorm:
+            return "qwen3_moe"
+        if not model.moe_router_pre_softmax and all(model.moe_layers()):
+            return "mixtral"
+    raise UnsupportedModel("this MoE model has no Hugging Face equivalent: Mixtral renormalises the top-k in every "
+                           "layer, Qwen2-MoE has a gated shared expert, Qwen3-MoE QK norm and no shared expert")
 
 
 def hf_config_from_model(model: ModelConfig, family: str, base: dict[str, Any] | None = None,
@@ -133,10 +241,36 @@ def hf_config_from_model(model: ModelConfig, family: str, base: dict[str, Any] |
             rope_theta=model.rotary_base, rope_parameters=rope, tie_word_embeddings=model.tie_embeddings,
             attention_dropout=model.attention_dropout,
         )
-        if family != "qwen2":
+        if family not in _QKV_BIAS:
             hf.update(attention_bias=False, mlp_bias=False)
         if family != "llama":
             hf.setdefault("sliding_window", None)
+        if family in MOE_FAMILIES:
+            _write_moe_fields(hf, model, family)
     hf["initializer_range"] = model.init_method_std
     hf["dtype"] = hf["torch_dtype"] = dtype
     return hf
+
+
+def _write_moe_fields(hf: dict[str, Any], model: ModelConfig, family: str) -> None:
+    """The MoE fields of `family` into `hf` (which holds the imported config's, if any)."""
+    for alias in ("num_experts", "num_local_experts"):   # transformers versions write either
+        if alias in hf:
+            hf[alias] = model.num_experts
+    # HF has one load-balancing weight: that of whichever kinds tessera trains with (float: HF's configs are strict)
+    hf.update(num_experts_per_tok=model.moe_router_topk,
+              router_aux_loss_coef=float(sum(aux_loss_coefficients(model).values())))
+    if family == "mixtral":
+        hf.update(num_local_experts=model.num_experts, intermediate_size=model.moe_ffn_hidden_size,
+                  router_jitter_noise=0.0)
+        return
+    moe_layers = model.moe_layers()
+    step, dense = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
+    if not isinstance(step, int) or step < 1 or qwen_moe_layers(step, dense, model.num_layers) != moe_layers:
+        step, dense = 1, [i for i, moe in enumerate(moe_layers) if not moe]
+    hf.update(num_experts=model.num_experts, moe_intermediate_size=model.moe_ffn_hidden_size,
+              norm_topk_prob=not model.moe_router_pre_softmax, decoder_sparse_step=step, mlp_only_layers=dense,
+              use_sliding_window=False)
+    if family == "qwen2_moe":
+        hf.update(shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
+                  qkv_bias=model.add_qkv_bias, layer_types=["full_attention"] * model.num_layers)

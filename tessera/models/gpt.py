@@ -12,6 +12,9 @@ rank's slice of the logits, which are gathered only when the caller asks for log
 With sequence parallelism the embedding reduce-scatters to sequence shards, the blocks
 keep them, and the head all-gathers the sequence before the output layer.
 
+A MoE model (--num-experts) has MoELayers in place of the MLP in the layers --moe-layer-freq
+names; `expert_groups` gives them the expert-parallel process groups.
+
 A pipeline stage is the same class built with only some blocks (`layer_indices`, named by
 their global index so that initialisation and checkpoints ignore the layout), the
 embedding only with `pre_process` and the final norm and output layer only with
@@ -21,6 +24,7 @@ embedding for the output layer (tessera.parallel.pipeline keeps the copies equal
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from dataclasses import dataclass
 from typing import Sequence
@@ -29,7 +33,11 @@ import torch
 from torch import nn
 
 from tessera.config import ConfigError, ModelConfig
-from tessera.models.transformer import RotaryEmbedding, TransformerBlock, build_norm
+from tessera.models.moe import MoELayer
+from tessera.models.norm import build_norm
+from tessera.models.rope import RotaryEmbedding
+from tessera.models.transformer import TransformerBlock
+from tessera.parallel.experts import ExpertGroups
 from tessera.parallel.random import DropoutRNG, checkpoint, dropout
 from tessera.parallel.sharding import ShardSpec, annotate, rank_and_size
 from tessera.parallel.tensor import (
@@ -50,7 +58,7 @@ class Recompute:
 class GPTModel(nn.Module):
     def __init__(self, config: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
                  recompute: Recompute = Recompute(), layer_indices: Sequence[int] | None = None,
-                 pre_process: bool = True, post_process: bool = True):
+                 pre_process: bool = True, post_process: bool = True, expert_groups: ExpertGroups | None = None):
         super().__init__()
         self.config = config
         self.recompute = recompute
@@ -77,9 +85,10 @@ class GPTModel(nn.Module):
         self.rotary = (RotaryEmbedding(config.rotary_dim, config.rotary_base, config.max_position_embeddings)
                        if config.position_embedding_type == "rope" else None)
         selective = recompute.granularity == "selective"
+        moe = config.moe_layers()
         self.layers = LayerStack({
             index: TransformerBlock(config, tp_group=tp_group, sequence_parallel=sp, rng=self.dropout_rng,
-                                    recompute_core=selective)
+                                    recompute_core=selective, moe=moe[index], expert_groups=expert_groups)
             for index in (range(config.num_layers) if layer_indices is None else layer_indices)
         })
         self.final_norm = build_norm(config, tp_group, sp) if post_process else None
@@ -122,8 +131,27 @@ class GPTModel(nn.Module):
                 for layer in chunk:
                     h = layer(h, rope, attention_mask)
                 return h
-            hidden = checkpoint(run, hidden, rng=self._recompute_rng) if recomputed and self.training else run(hidden)
+            if recomputed and self.training:
+                hidden = checkpoint(run, hidden, rng=self._recompute_rng, replay=self._routers_paused)
+            else:
+                hidden = run(hidden)
         return hidden
+
+    def moe_layers(self) -> dict[int, MoELayer]:
+        """This model's MoE layers by global layer index."""
+        return {index: layer.mlp for index, layer in self.layers.items() if isinstance(layer.mlp, MoELayer)}
+
+    @contextlib.contextmanager
+    def _routers_paused(self):
+        """While full recomputation replays a forward, routers do not count its tokens again."""
+        routers = [moe.router for moe in self.moe_layers().values()]
+        for router in routers:
+            router.recording = False
+        try:
+            yield
+        finally:
+            for router in routers:
+                router.recording = True
 
     def head(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [b, s, v], or the fp32 per-token loss [b, s] when labels are given."""
@@ -164,6 +192,9 @@ class LayerStack(nn.Module):
 
     def __iter__(self):
         return iter(self._modules.values())
+
+    def items(self):
+        return ((int(index), block) for index, block in self._modules.items())
 
     def __len__(self) -> int:
         return len(self._modules)

@@ -21,6 +21,12 @@ def _gpt(layers: int, hidden: int, heads: int, seq: int) -> dict:
                 seq_length=seq, max_position_embeddings=seq)
 
 
+def _moe(experts: int, topk: int, expert_ffn: int, **extra) -> dict:
+    """MoE fields of a preset: experts in every layer, softmax routing, fp32 router, grouped GEMMs."""
+    return dict(num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=expert_ffn,
+                moe_router_dtype="fp32", moe_grouped_gemm=True, **extra)
+
+
 def _llama(layers: int, hidden: int, heads: int, groups: int, ffn: int, vocab: int, seq: int, **extra) -> dict:
     gqa = dict(group_query_attention=True, num_query_groups=groups) if groups != heads else {}
     return dict(_LLAMA, num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
@@ -53,9 +59,27 @@ PRESETS: dict[str, dict] = {
     "qwen2.5-72b": _llama(80, 8192, 64, 8, 29568, 152064, 4096, **_QWEN),
     # Mistral 7B v0.3 (no sliding window)
     "mistral-7b": _llama(32, 4096, 32, 8, 14336, 32768, 4096, rotary_base=1_000_000.0),
+    # Mixtral (Mistral's attention, 8 experts, top-2 softmax renormalised over the two; aux loss 0.02)
+    "mixtral-8x7b": _llama(32, 4096, 32, 8, 14336, 32000, 4096, rotary_base=1_000_000.0,
+                           **_moe(8, 2, 14336, moe_aux_loss_coeff=[0.02])),
+    "mixtral-8x22b": _llama(56, 6144, 48, 8, 16384, 32768, 4096, rotary_base=1_000_000.0,
+                            **_moe(8, 2, 16384, moe_aux_loss_coeff=[0.001])),
+    # Qwen MoE: Qwen1.5-MoE (= Qwen2-MoE) has a gated shared expert and does not renormalise
+    # the top-k (pre-softmax); Qwen3-MoE renormalises, has no shared expert, QK norm.
+    "qwen1.5-moe-a2.7b": _llama(24, 2048, 16, 16, 5632, 151936, 4096, **_QWEN,
+                                **_moe(60, 4, 1408, moe_router_pre_softmax=True, moe_aux_loss_coeff=[0.001],
+                                       moe_shared_expert_intermediate_size=5632, moe_shared_expert_gate=True)),
+    "qwen3-30b-a3b": _llama(48, 2048, 32, 4, 6144, 151936, 4096, **dict(_QWEN, add_qkv_bias=False), kv_channels=128,
+                            qk_layernorm=True, **_moe(128, 8, 768, moe_aux_loss_coeff=[0.001])),
+    "qwen3-235b-a22b": _llama(94, 4096, 64, 4, 12288, 151936, 4096, **dict(_QWEN, add_qkv_bias=False),
+                              kv_channels=128, qk_layernorm=True, **_moe(128, 8, 1536, moe_aux_loss_coeff=[0.001])),
     # Tiny shapes for tests and CPU demos
     "tiny-gpt": dict(_gpt(2, 64, 4, 64), vocab_size=256, make_vocab_size_divisible_by=8),
     "tiny-llama": dict(_llama(2, 64, 4, 2, 176, 256, 64), make_vocab_size_divisible_by=8),
+    # 4 layers, the first dense; 4 experts, top-2, a shared expert, aux loss on
+    "tiny-moe": dict(_llama(4, 64, 4, 2, 176, 256, 64, moe_layer_freq="([0]*1+[1]*3)",
+                            **_moe(4, 2, 48, moe_aux_loss_coeff=[1e-2], moe_shared_expert_intermediate_size=32)),
+                     make_vocab_size_divisible_by=8, moe_grouped_gemm=False),
 }
 
 

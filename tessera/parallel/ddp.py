@@ -39,11 +39,21 @@ class Bucket:
 
 
 class GradBuffer:
-    """Flat main-grad buffer of `params`, bucketed, summed over `group` (sum or reduce-scatter)."""
+    """Flat main-grad buffer of `params`, bucketed, summed over `group` (sum or reduce-scatter).
+
+    `stored=False` keeps no buffer: with nothing to reduce and one micro-batch per step the
+    gradients autograd makes are already the main grads (the layout still serves the
+    distributed optimizer's flat weights). With bf16 weights that saves an fp32 copy of every
+    gradient, and the memory of one: the values are the same, since an fp32 buffer would
+    only hold the bf16 gradients upcast.
+    """
 
     def __init__(self, params: list[nn.Parameter], group, *, bucket_size: int, overlap: bool,
-                 reduce_scatter: bool, reduce_dtype: torch.dtype = torch.float32):
+                 reduce_scatter: bool, reduce_dtype: torch.dtype = torch.float32, stored: bool = True):
+        if not stored and group is not None:
+            raise ValueError("gradients reduced over a group need a stored buffer")
         self.group, self.overlap, self.reduce_scatter, self.reduce_dtype = group, overlap, reduce_scatter, reduce_dtype
+        self.stored = stored
         self.dp_size = dist.get_world_size(group) if group is not None else 1
         self.dp_rank = dist.get_rank(group) if group is not None else 0
         self.ranges: dict[nn.Parameter, tuple[int, int]] = {}
@@ -58,11 +68,12 @@ class GradBuffer:
                 bucket_start, members = offset, []
         if members:
             offset = self._close_bucket(bucket_start, offset, members)
-        device = params[0].device
-        self.data = torch.zeros(offset, dtype=torch.float32, device=device)
+        self.size = offset
+        self.data = torch.zeros(offset, dtype=torch.float32, device=params[0].device) if stored else None
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         self._last_micro_batch = True
-        for param in self.ranges:
+        self._unwritten: set[nn.Parameter] = set()   # low-precision params without a gradient yet this step
+        for param in self.ranges if stored else ():
             if param.dtype == torch.float32:
                 param.grad = self.view(param)  # autograd accumulates into the buffer in place
             param.register_post_accumulate_grad_hook(self._on_grad_accumulated)
@@ -73,6 +84,10 @@ class GradBuffer:
         return padded
 
     def view(self, param: nn.Parameter) -> torch.Tensor:
+        if not self.stored:
+            if param.grad is None:   # not used this step
+                param.grad = torch.zeros_like(param)
+            return param.grad
         start, end = self.ranges[param]
         return self.data[start:end].view_as(param)
 
@@ -85,7 +100,16 @@ class GradBuffer:
     # -- per step --------------------------------------------------------------------
 
     def zero(self) -> None:
-        self.data.zero_()
+        if not self.stored:
+            for param in self.ranges:
+                param.grad = None
+            return
+        if all(param.dtype != torch.float32 for param in self.ranges):
+            # Each main grad is written by its first gradient of the step (copied, not added):
+            # no pass to zero the buffer; finish() zeroes those that never got one.
+            self._unwritten = set(self.ranges)
+        else:   # fp32 parameters accumulate into their buffer views in place
+            self.data.zero_()
         for bucket in self.buckets:
             bucket.ready.clear()
 
@@ -97,7 +121,11 @@ class GradBuffer:
         if param.dtype != torch.float32:
             # Low-precision parameters (distributed optimizer with bf16 weights): add the
             # fresh gradient to the fp32 main grad and free it.
-            self.view(param).add_(param.grad)
+            if param in self._unwritten:
+                self.view(param).copy_(param.grad)
+                self._unwritten.discard(param)
+            else:
+                self.view(param).add_(param.grad)
             param.grad = None
         if not (self.overlap and self._last_micro_batch):
             return
@@ -123,6 +151,9 @@ class GradBuffer:
 
     def finish(self) -> None:
         """Start any collective not yet started, wait for all, and land results in the buffer."""
+        for param in self._unwritten:
+            self.view(param).zero_()
+        self._unwritten = set()
         if self.group is None:
             return
         for bucket in self.buckets:

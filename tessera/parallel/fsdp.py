@@ -5,6 +5,10 @@ state sharded over the data-parallel ranks.
 backward, freed after use) and then the root (embeddings, final norm, output layer).
 It shards the tensor-parallel shards it is given, so TP x FSDP composes: the TP layers
 split the maths, FSDP2 splits the storage along the data-parallel dimension only.
+
+With expert parallelism a MoE layer's experts are wrapped first, on their own: they are
+sharded and reduced over expert data parallelism (the ranks holding the same experts),
+the rest of the block over data parallelism.
 """
 
 from __future__ import annotations
@@ -21,12 +25,18 @@ def apply_fsdp2(model: nn.Module, mesh: Mesh, *, reshard_after_forward: bool = T
     # fully_shard replaces every parameter by a new DTensor parameter: carry over what the
     # rest of tessera attached to the old ones (ShardSpec, sequence-parallel marks, ...).
     attributes = {name: dict(param.__dict__) for name, param in model.named_parameters()}
+    units = []
+    if mesh.ep_size > 1 or mesh.etp_size != mesh.tp_size:   # experts have replicas of their own
+        units = [moe.experts for moe in model.moe_layers().values()]
+        for experts in units:
+            fully_shard(experts, mesh=mesh.expert_mesh["edp"], reshard_after_forward=reshard_after_forward)
+    units += list(model.layers)
     for layer in model.layers:
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
     # The trainer divides each rank's loss by the tokens of the whole global batch, so the
     # gradients must be summed over ranks, not averaged (FSDP2's default).
-    for module in [*model.layers, model]:
+    for module in [*units, model]:
         if hasattr(module, "set_gradient_divide_factor"):
             module.set_gradient_divide_factor(1.0)
         else:  # older torch

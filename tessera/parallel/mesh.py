@@ -7,7 +7,11 @@ pipeline:
 
 so that a tensor-parallel group (the chattiest) sits on neighbouring GPUs of one node.
 Expert parallelism re-slices each pipeline stage's dp x cp x tp ranks as
-(expert-dp, ep, expert-tp) with expert-tp = tp, as Megatron does by default.
+(expert-dp, ep, expert-tp), expert-tp fastest ("MoE parallel folding", Megatron's order):
+
+    stage rank = etp_rank + etp * (ep_rank + ep * edp_rank)
+
+so that, for example, TP=2 DP=4 with EP=4 and expert-TP 1 puts experts on ranks 0-3 and 4-7.
 
 A Mesh holds torch DeviceMeshes and their groups and is passed to whatever needs them:
 nothing here is global, so tests can build several meshes in one process. With one
@@ -16,6 +20,7 @@ process every size is 1 and every group is None, and the layers run unsplit.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -33,6 +38,7 @@ class Mesh:
     dp_size: int = 1
     pp_size: int = 1
     ep_size: int = 1
+    etp_size: int = 1
     rank: int = 0
     device_mesh: DeviceMesh | None = None          # dims ("pp", "dp", "cp", "tp")
     expert_mesh: DeviceMesh | None = None          # dims ("pp", "edp", "ep", "etp")
@@ -59,9 +65,32 @@ class Mesh:
     def pp_rank(self) -> int:
         return self.rank // (self.tp_size * self.cp_size * self.dp_size)
 
+    @property
+    def etp_rank(self) -> int:
+        return self._stage_rank % self.etp_size
+
+    @property
+    def ep_rank(self) -> int:
+        return self._stage_rank // self.etp_size % self.ep_size
+
+    @property
+    def edp_rank(self) -> int:
+        """Rank among the replicas of this rank's experts (expert data parallelism)."""
+        return self._stage_rank // (self.etp_size * self.ep_size)
+
+    @property
+    def edp_size(self) -> int:
+        return self.tp_size * self.cp_size * self.dp_size // (self.etp_size * self.ep_size)
+
+    @property
+    def _stage_rank(self) -> int:
+        return self.rank % (self.tp_size * self.cp_size * self.dp_size)
+
     # Process groups; None where the dimension has one rank.
     def group(self, dim: str):
-        """The process group of 'tp', 'cp', 'dp', 'pp', 'dp_cp' (gradient averaging) or 'ep'."""
+        """The process group of 'tp', 'cp', 'dp', 'pp', 'dp_cp' (gradient reduction), 'tp_cp' (the
+        ranks sharing one micro-batch), 'tp_dp_cp' (a whole pipeline stage), or of the experts:
+        'ep', 'etp', 'edp' (expert gradient reduction), 'tp_ep' (etp x ep, the dispatch group)."""
         return self.groups.get(dim)
 
     @property
@@ -80,25 +109,30 @@ class Mesh:
     def build(cls, parallel: ParallelConfig, device_type: str) -> "Mesh":
         """The mesh of the current process group (torch.distributed must be initialised)."""
         world = dist.get_world_size() if dist.is_initialized() else 1
-        tp, cp, pp, ep = (parallel.tensor_model_parallel_size, parallel.context_parallel_size,
-                          parallel.pipeline_model_parallel_size, parallel.expert_model_parallel_size)
+        tp, cp, pp, ep, etp = (parallel.tensor_model_parallel_size, parallel.context_parallel_size,
+                               parallel.pipeline_model_parallel_size, parallel.expert_model_parallel_size,
+                               parallel.expert_tensor_size)
         dp = parallel.data_parallel_size(world)  # checks divisibility, naming the flags
-        if (dp * cp) % ep:
-            raise ConfigError(f"--expert-model-parallel-size ({ep}) must divide data-parallel size ({dp}) x "
-                              f"--context-parallel-size ({cp})")
+        if (tp * cp * dp) % (ep * etp):
+            raise ConfigError(f"--expert-model-parallel-size ({ep}) x --expert-tensor-parallel-size ({etp}) must "
+                              f"divide --tensor-model-parallel-size x --context-parallel-size x data-parallel size "
+                              f"({tp * cp * dp})")
         if world == 1:
             return cls()
+        edp = tp * cp * dp // (ep * etp)
         device_mesh = init_device_mesh(device_type, (pp, dp, cp, tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
-        expert_mesh = init_device_mesh(device_type, (pp, dp * cp // ep, ep, tp),
-                                       mesh_dim_names=("pp", "edp", "ep", "etp"))
+        expert_mesh = init_device_mesh(device_type, (pp, edp, ep, etp), mesh_dim_names=("pp", "edp", "ep", "etp"))
         # Every rank creates every group, in the same order, now: creating a group is collective.
         groups = {dim: device_mesh.get_group(dim) for dim, size in
                   (("tp", tp), ("cp", cp), ("dp", dp), ("pp", pp)) if size > 1}
-        if dp * cp > 1:
-            groups["dp_cp"] = device_mesh["dp", "cp"]._flatten("dp_cp").get_group()
-        if ep > 1:
-            groups["ep"] = expert_mesh.get_group("ep")
-        return cls(tp, cp, dp, pp, ep, dist.get_rank(), device_mesh, expert_mesh, groups)
+        for name, dims in (("dp_cp", ("dp", "cp")), ("tp_cp", ("cp", "tp")), ("tp_dp_cp", ("dp", "cp", "tp"))):
+            if math.prod(device_mesh[dims].shape) > 1:
+                groups[name] = device_mesh[dims]._flatten(name).get_group()
+        groups.update({dim: expert_mesh.get_group(dim) for dim, size in
+                       (("edp", edp), ("ep", ep), ("etp", etp)) if size > 1})
+        if ep * etp > 1:
+            groups["tp_ep"] = expert_mesh["ep", "etp"]._flatten("tp_ep").get_group()
+        return cls(tp, cp, dp, pp, ep, etp, dist.get_rank(), device_mesh, expert_mesh, groups)
 
 
 def init_distributed(device: torch.device) -> torch.device:

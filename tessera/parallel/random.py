@@ -96,12 +96,24 @@ def dropout(x: torch.Tensor, p: float, training: bool, rng: DropoutRNG | None = 
         return F.dropout(x, p, training=True)
 
 
-def checkpoint(fn, *args, rng: DropoutRNG | None = None):
+def checkpoint(fn, *args, rng: DropoutRNG | None = None, replay=None):
     """Activation checkpointing (non-reentrant) that also replays `rng`'s stream.
 
-    Pass `rng=None` when `fn` draws nothing from it: torch.compile traces the plain
-    checkpoint but not one with replay contexts.
+    `replay`, a context-manager factory, is entered around the recomputation only (MoE
+    routers use it not to count their tokens twice). Pass `rng=None` when `fn` draws
+    nothing from it: torch.compile traces the plain checkpoint but not one with replay contexts.
     """
-    if rng is None:
+    if rng is None and replay is None:
         return torch_checkpoint(fn, *args, use_reentrant=False)
-    return torch_checkpoint(fn, *args, use_reentrant=False, context_fn=rng._replay_contexts)
+
+    def contexts():
+        forward, recompute = rng._replay_contexts() if rng is not None else (nullcontext(), nullcontext())
+        return forward, _both(recompute, replay() if replay is not None else nullcontext())
+
+    return torch_checkpoint(fn, *args, use_reentrant=False, context_fn=contexts)
+
+
+@contextmanager
+def _both(first, second):
+    with first, second:
+        yield

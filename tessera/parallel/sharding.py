@@ -5,6 +5,12 @@ parameter back together from all shards: layout-invariant initialisation, checkp
 and Hugging Face conversion all work on the full tensor through it. Every parameter of
 a tessera model carries one (`param.shard_spec`, set by `annotate`).
 
+A MoE layer's expert weights are stacked along dim 0, one row per expert, and cut twice:
+expert parallelism gives each rank a contiguous block of experts (`expert_rank` of
+`expert_size`), and expert tensor parallelism cuts each expert like a TP layer (then the
+spec's rank and size are those of the expert-TP group). Such parameters are marked
+`is_expert`: their gradients are reduced over the expert-data-parallel group instead.
+
 Some parameters, or pieces of them, are replicated over TP ranks rather than split, and
 their gradients need care:
 - replicated KV groups (fewer groups than ranks): each replica sees only its own query
@@ -63,11 +69,27 @@ class ShardSpec:
     rank: int = 0
     size: int = 1
     splits: tuple[int, ...] | None = None
+    expert_rank: int = 0   # expert parallelism: this rank's block of dim 0 ...
+    expert_size: int = 1   # ... out of this many
+
+    def __post_init__(self) -> None:
+        if self.expert_size > 1 and (self.dim == 0 or self.full_shape[0] % self.expert_size):
+            raise ValueError(f"{self.full_shape[0]} experts do not split over {self.expert_size} ranks along dim 0")
 
     @property
     def replicated(self) -> bool:
-        """True when every TP rank holds the whole parameter."""
+        """True when every TP rank holds the whole of this rank's experts (or the whole parameter)."""
         return self.dim is None or self.size == 1
+
+    @property
+    def expert_offset(self) -> int:
+        """Where this rank's block of experts starts along dim 0 of the full parameter."""
+        return self.expert_rank * (self.full_shape[0] // self.expert_size)
+
+    @property
+    def tp_full_shape(self) -> tuple[int, ...]:
+        """The shape that the TP shards put together: the full shape, with this rank's experts only."""
+        return (self.full_shape[0] // self.expert_size, *self.full_shape[1:])
 
     def pieces(self) -> list[Piece]:
         segments = self.segments or (self.full_shape[self.dim],)
@@ -85,15 +107,18 @@ class ShardSpec:
 
     def shard(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's shard of the full parameter."""
+        if self.expert_size > 1:
+            full = full.narrow(0, self.expert_offset, self.tp_full_shape[0])
         if self.replicated:
             return full
         return torch.cat([full.narrow(self.dim, p.full_start, p.length) for p in self.pieces()], dim=self.dim)
 
     def unshard(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The full parameter from every rank's shard, in TP-rank order."""
+        """The parameter whole over TP from every TP rank's shard, in TP-rank order (for expert
+        weights: this rank's experts; concatenate the expert-parallel ranks' along dim 0)."""
         if self.replicated:
             return shards[0]
-        full = shards[0].new_empty(self.full_shape)
+        full = shards[0].new_empty(self.tp_full_shape)
         for rank, shard in enumerate(shards):
             for p in dataclasses.replace(self, rank=rank).pieces():
                 full.narrow(self.dim, p.full_start, p.length).copy_(shard.narrow(self.dim, p.local_start, p.length))
@@ -118,17 +143,19 @@ class ShardSpec:
 
 
 def annotate(param: nn.Parameter, spec: ShardSpec, *, init_std: float | None = None,
-             init_value: float = 0.0, sequence_parallel: bool = False) -> nn.Parameter:
+             init_value: float = 0.0, sequence_parallel: bool = False, is_expert: bool = False) -> nn.Parameter:
     """Record how `param` is sharded and initialised (tessera.models.gpt.initialize_parameters).
 
     `init_std=None` fills with `init_value` (zeros for biases, ones for norm weights).
     `sequence_parallel=True` marks a TP-replicated parameter used on sequence shards: its
     gradient is partial on each rank (see allreduce_sequence_parallel_grads).
+    `is_expert=True` marks a MoE expert weight (reduced over expert data parallelism).
     """
     param.shard_spec = spec
     param.init_std = init_std
     param.init_value = init_value
     param.sequence_parallel = sequence_parallel
+    param.is_expert = is_expert
     return param
 
 

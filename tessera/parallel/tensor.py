@@ -79,6 +79,10 @@ def _sequence(op):
     return lambda x, group: op(x, group, SEQUENCE_DIM)
 
 
+def _first(op):
+    return lambda x, group: op(x, group, 0)
+
+
 class _Conjugate(torch.autograd.Function):
     """`forward_op` in forward, `backward_op` on the gradient in backward."""
 
@@ -110,6 +114,10 @@ gather_from_tp_region = _conjugate(_last(_all_gather), _last(_split))
 scatter_to_sequence_region = _conjugate(_sequence(_split), _sequence(_all_gather))
 gather_from_sequence_region = _conjugate(_sequence(_all_gather), _sequence(_reduce_scatter))
 reduce_scatter_to_sequence_region = _conjugate(_sequence(_reduce_scatter), _sequence(_all_gather))
+# Token-major tensors [tokens, ...] (MoE dispatch): every rank's rows concatenated, and the
+# partial sums of those rows reduced back to their owners.
+all_gather_tokens = _conjugate(_first(_all_gather), _first(_reduce_scatter))
+reduce_scatter_tokens = _conjugate(_first(_reduce_scatter), _first(_all_gather))
 
 
 # -- layers ----------------------------------------------------------------------------

@@ -11,6 +11,11 @@ k ranks per node share the node's NVLink and own k NICs (one per GPU on DGX mach
 and NCCL spreads its rings over those NICs, so the bus bandwidth is the smaller of NVLink
 and k times one NIC. With TP = 8 a data-parallel group has one rank per node and gets one
 NIC's bandwidth; with TP = 1 it gets all eight.
+
+An all-to-all (MoE token dispatch) is costed as every rank sending its share to every
+other at once: the part bound for its own node over NVLink, the part bound for other
+nodes over its own NIC, whichever takes longer, at the rings' efficiency (an estimate:
+NCCL's all-to-all is not a ring, and its efficiency has not been measured here).
 """
 
 from __future__ import annotations
@@ -65,6 +70,21 @@ class Cluster:
 
     def all_reduce(self, nbytes: float, ranks: int, ranks_per_node: int) -> float:
         return 2.0 * self.all_gather(nbytes, ranks, ranks_per_node)
+
+    def all_to_all(self, nbytes: float, ranks: int, ranks_per_node: int) -> float:
+        """Seconds for an all-to-all in which every rank sends `nbytes` in all, 1/ranks to each rank (itself too)."""
+        if ranks <= 1:
+            return 0.0
+        nodes = ranks // ranks_per_node
+        inside = (ranks_per_node - 1) / ranks * nbytes / self.nvlink.bytes_per_s
+        across = (ranks - ranks_per_node) / ranks * nbytes / self.network.bytes_per_s
+        # One step per peer in the node and per other node (an estimate: NCCL posts the sends together).
+        latency = (ranks_per_node - 1) * self.nvlink.latency_us + (nodes - 1) * self.network.latency_us
+        return latency * 1e-6 + max(inside, across)
+
+    def ranks_per_node(self, ranks: int, stride: int = 1) -> int:
+        """How many of a group's `ranks` share a node when consecutive members are `stride` ranks apart."""
+        return max(1, min(ranks, self.gpus_per_node // stride))
 
     def send(self, nbytes: float, across_nodes: bool) -> float:
         """Seconds for a point-to-point transfer of `nbytes` (pipeline or context parallel)."""

@@ -20,11 +20,17 @@ lower triangle of the s x s scores is needed, so each GEMM counts half, giving p
 For GPT-3 shapes (q = kv = h, f = 4h) this is 72*B*s*L*h^2 * (1 + s/(12h) + V/(12*L*h)) per
 iteration, the sanity check in Megatron-LM. Megatron before March 2025 counted attention
 without the causal halving (s/(6h) instead of s/(12h)); `causal=False` gives that count.
+
+In a MoE layer the MLP term is the work a token really does, as Megatron counts it: its k
+routed experts and the shared expert, G*h*(k*f_moe + f_shared); the router's h x E GEMM
+is not counted. So MFU is measured on active parameters. (Before March 2025 Megatron
+counted k*f with the dense f and no shared expert: the same for Mixtral, where f_moe = f.)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from tessera.config import ModelConfig
 
@@ -33,44 +39,86 @@ from tessera.config import ModelConfig
 class ParamCount:
     embedding: int       # word and position embeddings, and an untied output layer
     non_embedding: int   # transformer blocks and the final norm
+    inactive: int = 0    # routed-expert weights a token does not use (E - k experts of each MoE layer)
 
     @property
     def total(self) -> int:
         return self.embedding + self.non_embedding
 
+    @property
+    def active(self) -> int:
+        """Parameters one token computes with."""
+        return self.total - self.inactive
 
-def _norm_params(config: ModelConfig) -> int:
-    return config.hidden_size * (2 if config.normalization == "LayerNorm" else 1)
+
+class LayerParameters(NamedTuple):
+    """One transformer block's parameters, split the way expert parallelism splits them."""
+
+    dense: int     # attention, norms, and the dense MLP or the router and shared expert: the same on every EP rank
+    experts: int   # the routed experts, all E of them: sharded by EP x ETP
+
+
+def _norm_params(config: ModelConfig, width: int | None = None) -> int:
+    return (width or config.hidden_size) * (2 if config.normalization == "LayerNorm" else 1)
+
+
+def _mlp_params(config: ModelConfig, ffn: int) -> int:
+    gate = 2 if config.swiglu else 1
+    return (gate + 1) * config.hidden_size * ffn + (gate * ffn + config.hidden_size) * config.add_bias_linear
+
+
+def layer_parameters(config: ModelConfig) -> list[LayerParameters]:
+    """Exact parameters of each block of GPTModel(config)."""
+    h = config.hidden_size
+    q = config.num_attention_heads * config.kv_channels
+    kv = config.num_query_groups * config.kv_channels
+    attention = h * (q + 2 * kv) + q * h
+    attention += (q + 2 * kv) * (config.add_bias_linear or config.add_qkv_bias) + h * config.add_bias_linear
+    if config.qk_layernorm:
+        attention += 2 * _norm_params(config, config.kv_channels)
+    common = attention + 2 * _norm_params(config)
+    dense = LayerParameters(common + _mlp_params(config, config.ffn_hidden_size), 0)
+    if config.num_experts is None:
+        return [dense] * config.num_layers
+    router = config.num_experts * h + h * config.moe_shared_expert_gate
+    shared_ffn = config.moe_shared_expert_intermediate_size
+    shared = _mlp_params(config, shared_ffn) if shared_ffn else 0
+    experts = config.num_experts * _mlp_params(config, config.moe_ffn_hidden_size)
+    moe = LayerParameters(common + router + shared, experts)
+    return [moe if is_moe else dense for is_moe in config.moe_layers()]
 
 
 def count_parameters(config: ModelConfig, vocab_size: int | None = None) -> ParamCount:
     """Exact parameter count of GPTModel(config); `vocab_size` defaults to the padded vocabulary."""
-    h, f = config.hidden_size, config.ffn_hidden_size
-    q = config.num_attention_heads * config.kv_channels
-    kv = config.num_query_groups * config.kv_channels
+    layers = layer_parameters(config)
+    experts = sum(layer.experts for layer in layers)
+    inactive = experts // config.num_experts * (config.num_experts - config.moe_router_topk) if experts else 0
+    non_embedding = sum(layer.dense for layer in layers) + experts + _norm_params(config)
     vocab = vocab_size if vocab_size is not None else config.padded_vocab_size()
-    bias = config.add_bias_linear
-    gate = 2 if config.swiglu else 1
-    attention = h * (q + 2 * kv) + q * h
-    attention += (q + 2 * kv) * (bias or config.add_qkv_bias) + h * bias
-    mlp = gate * h * f + f * h + (gate * f + h) * bias
-    per_layer = attention + mlp + 2 * _norm_params(config)
-    embedding = vocab * h * (1 if config.tie_embeddings else 2)
+    embedding = vocab * config.hidden_size * (1 if config.tie_embeddings else 2)
     if config.position_embedding_type == "learned_absolute":
-        embedding += config.max_position_embeddings * h
-    return ParamCount(embedding, config.num_layers * per_layer + _norm_params(config))
+        embedding += config.max_position_embeddings * config.hidden_size
+    return ParamCount(embedding, non_embedding, inactive)
+
+
+def _mlp_widths(config: ModelConfig) -> list[int]:
+    """Per layer, the FFN width one token goes through: the dense MLP's, or its k routed
+    experts' and the shared expert's together (the router is not counted, as in Megatron)."""
+    routed = config.moe_router_topk * (config.moe_ffn_hidden_size or 0)
+    moe = routed + (config.moe_shared_expert_intermediate_size or 0)
+    return [moe if is_moe else config.ffn_hidden_size for is_moe in config.moe_layers()]
 
 
 def flops_per_token(config: ModelConfig, seq_length: int | None = None, vocab_size: int | None = None,
                     causal: bool = True) -> float:
     """Model FLOPs (forward + backward) per trained token."""
-    h, f, layers = config.hidden_size, config.ffn_hidden_size, config.num_layers
+    h, layers = config.hidden_size, config.num_layers
     s = seq_length if seq_length is not None else config.seq_length
     q = config.num_attention_heads * config.kv_channels
     kv = config.num_query_groups * config.kv_channels
     vocab = vocab_size if vocab_size is not None else config.padded_vocab_size()
     gated = 3 if config.swiglu else 2
-    linear = layers * (h * (q + 2 * kv) + q * h + gated * h * f) + h * vocab
+    linear = layers * (h * (q + 2 * kv) + q * h) + gated * h * sum(_mlp_widths(config)) + h * vocab
     attention = layers * q * s * (1 if causal else 2)
     return 6.0 * (linear + attention)
 

@@ -13,6 +13,10 @@ Three curves, each with one or two physical parameters:
   With dropout it also draws a random number per score, which costs extra time.
 - Memory-bound ops (norms, activations, residuals, optimizer): bytes / (HBM x efficiency).
 
+A grouped GEMM (MoE experts, one group per local expert) runs every group's tiles in one
+launch, so its waves are counted over all of them; each group keeps its own short-k
+cost. That it reaches the dense curve otherwise is an estimate (not measured here).
+
 The parameters come from bench/gemm.py's measurement on an H200 when that JSON exists
 (tessera/perf/data/gemm_h200.json, or any file given with --gemm-curve); until then from
 PROVISIONAL below, derived from the anchors (shared/anchors/NOTES.md). H100 SXM and H200
@@ -44,22 +48,23 @@ class KernelCurves:
     # that is about half the tensor-core time per score (an estimate until measured).
     attn_dropout_cost: float = 0.5
 
-    def wave_fill(self, m: int, n: int) -> float:
+    def wave_fill(self, m: int, n: int, groups: int = 1) -> float:
         """Fraction of SM slots busy over the waves of output tiles (best tile orientation)."""
         best = 0.0
         for rows, cols in ((TILE_M, TILE_N), (TILE_N, TILE_M)):
-            tiles = math.ceil(m / rows) * math.ceil(n / cols)
+            tiles = groups * math.ceil(m / rows) * math.ceil(n / cols)
             best = max(best, tiles / (math.ceil(tiles / self.sms) * self.sms))
         return best
 
-    def gemm_efficiency(self, m: int, n: int, k: int) -> float:
-        return self.gemm_max * self.wave_fill(m, n) * k / (k + self.gemm_k0)
+    def gemm_efficiency(self, m: int, n: int, k: int, groups: int = 1) -> float:
+        return self.gemm_max * self.wave_fill(m, n, groups) * k / (k + self.gemm_k0)
 
     def gemm_time(self, m: int, n: int, k: int, peak_flops: float, hbm_bytes_per_s: float,
-                  bytes_per_element: int = 2) -> float:
-        """Seconds for one (m x k) @ (k x n) GEMM, compute- or memory-bound."""
-        compute = 2.0 * m * n * k / (peak_flops * self.gemm_efficiency(m, n, k))
-        memory = bytes_per_element * (m * k + k * n + m * n) / (hbm_bytes_per_s * self.hbm_efficiency)
+                  bytes_per_element: int = 2, groups: int = 1) -> float:
+        """Seconds for one (m x k) @ (k x n) GEMM, compute- or memory-bound; with `groups`, a
+        grouped GEMM of that many such products, whose tiles share the SMs' waves."""
+        compute = 2.0 * groups * m * n * k / (peak_flops * self.gemm_efficiency(m, n, k, groups))
+        memory = groups * bytes_per_element * (m * k + k * n + m * n) / (hbm_bytes_per_s * self.hbm_efficiency)
         return max(compute, memory)
 
     def attention_efficiency(self, seq_length: int) -> float:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tessera.config import ConfigError, ModelConfig
+from tessera.config import ModelConfig
+from tessera.config.fields import require
 from tessera.parallel.pipeline_schedules import stage_layer_ranges
 
 RECOMPUTE = ("none", "selective", "full")
+DISPATCHERS = ("allgather", "alltoall")
 
 
 @dataclass(frozen=True)
@@ -21,7 +23,9 @@ class Layout:
     pp: int = 1                       # --pipeline-model-parallel-size
     dp: int = 1                       # what remains of the GPUs
     cp: int = 1                       # --context-parallel-size
-    ep: int = 1                       # --expert-model-parallel-size
+    ep: int = 1                       # --expert-model-parallel-size (folded into TP x CP x DP)
+    etp: int | None = None            # --expert-tensor-parallel-size (None: the TP size, as in Megatron)
+    moe_dispatcher: str = "allgather"  # --moe-token-dispatcher-type
     virtual_stages: int = 1           # model chunks per pipeline rank (interleaved 1F1B)
     first_stage_layers: int | None = None  # --decoder-first-pipeline-num-layers (None: even split)
     last_stage_layers: int | None = None   # --decoder-last-pipeline-num-layers
@@ -40,6 +44,20 @@ class Layout:
     def gpus(self) -> int:
         return self.tp * self.pp * self.cp * self.dp
 
+    @property
+    def expert_tp(self) -> int:
+        return self.etp or self.tp
+
+    @property
+    def edp(self) -> int:
+        """Expert data parallelism: the replicas of each expert shard (ETP x EP x EDP = TP x CP x DP)."""
+        return self.tp * self.cp * self.dp // (self.ep * self.expert_tp)
+
+    @property
+    def dispatches(self) -> bool:
+        """Whether MoE tokens leave the GPU (expert or expert-tensor parallelism)."""
+        return self.ep * self.expert_tp > 1
+
     def num_micro_batches(self, global_batch_size: int) -> int:
         return global_batch_size // (self.micro_batch_size * self.dp)
 
@@ -53,10 +71,17 @@ class Layout:
                                                            first_stage_layers=self.first_stage_layers,
                                                            last_stage_layers=self.last_stage_layers)]
 
+    def rank_layers(self, num_layers: int) -> list[list[int]]:
+        """Indices of the layers each pipeline rank holds over all its chunks (chunk c of rank r
+        is stage c * pp + r)."""
+        first, last = self.first_stage_layers, self.last_stage_layers
+        stages = stage_layer_ranges(num_layers, self.pp, self.virtual_stages, first_stage_layers=first,
+                                    last_stage_layers=last)
+        return [[layer for chunk in range(self.virtual_stages) for layer in stages[chunk * self.pp + rank]]
+                for rank in range(self.pp)]
+
     def layers_per_rank(self, num_layers: int) -> list[int]:
-        """Layers each pipeline rank holds over all its chunks (chunk c of rank r is stage c * pp + r)."""
-        stages = self.stage_layers(num_layers)
-        return [sum(stages[chunk * self.pp + rank] for chunk in range(self.virtual_stages)) for rank in range(self.pp)]
+        return [len(layers) for layers in self.rank_layers(num_layers)]
 
     def describe(self) -> str:
         parts = [f"TP{self.tp}", f"PP{self.pp}"]
@@ -68,7 +93,13 @@ class Layout:
             parts.append("(" + ", ".join(given) + ")")
         if self.cp > 1:
             parts.append(f"CP{self.cp}")
+        if self.ep > 1:
+            parts.append(f"EP{self.ep}")
+        if self.expert_tp != self.tp:
+            parts.append(f"ETP{self.expert_tp}")
         parts += [f"DP{self.dp}", f"mbs{self.micro_batch_size}"]
+        if self.dispatches and self.moe_dispatcher == "alltoall":
+            parts.append("a2a")
         if self.sequence_parallel:
             parts.append("SP")
         if self.fsdp:
@@ -85,6 +116,12 @@ class Layout:
                  "--context-parallel-size", str(self.cp), "--micro-batch-size", str(self.micro_batch_size)]
         if self.virtual_stages > 1:
             flags += ["--virtual-pipeline-model-parallel-size", str(self.virtual_stages)]
+        if self.ep > 1:
+            flags += ["--expert-model-parallel-size", str(self.ep)]
+        if self.expert_tp != self.tp:
+            flags += ["--expert-tensor-parallel-size", str(self.expert_tp)]
+        if self.dispatches:
+            flags += ["--moe-token-dispatcher-type", self.moe_dispatcher]
         for flag, value in (("--decoder-first-pipeline-num-layers", self.first_stage_layers),
                             ("--decoder-last-pipeline-num-layers", self.last_stage_layers)):
             if value is not None:
@@ -102,14 +139,8 @@ class Layout:
 
 def check_layout(model: ModelConfig, layout: Layout, global_batch_size: int, seq_length: int) -> None:
     """Raise ConfigError, naming the flag, if Megatron could not run this layout."""
-    def require(condition: bool, message: str) -> None:
-        if not condition:
-            raise ConfigError(message)
-
     tp, pp, cp, vp = layout.tp, layout.pp, layout.cp, layout.virtual_stages
     require(min(tp, pp, cp, layout.dp, vp, layout.micro_batch_size) >= 1, "parallel sizes must be positive")
-    require(layout.ep == 1, "--expert-model-parallel-size > 1 needs a mixture-of-experts model, "
-                            "which the model config cannot describe yet")
     require(model.num_attention_heads % tp == 0,
             f"--num-attention-heads ({model.num_attention_heads}) must be divisible by "
             f"--tensor-model-parallel-size ({tp})")
@@ -128,8 +159,32 @@ def check_layout(model: ModelConfig, layout: Layout, global_batch_size: int, seq
     require(global_batch_size % per_step == 0,
             f"--global-batch-size ({global_batch_size}) must be divisible by --micro-batch-size "
             f"({layout.micro_batch_size}) x data-parallel size ({layout.dp}) = {per_step}")
+    _check_experts(model, layout)
     if vp > 1:
         micro_batches = layout.num_micro_batches(global_batch_size)
         require(micro_batches % pp == 0,
                 f"the interleaved schedule needs the number of micro-batches ({micro_batches}) to be a "
                 f"multiple of --pipeline-model-parallel-size ({pp})")
+
+
+def _check_experts(model: ModelConfig, layout: Layout) -> None:
+    """The trainer's rules for MoE layouts (tessera.config.run), in its words."""
+    ep, etp, tp = layout.ep, layout.expert_tp, layout.tp
+    stage_ranks = tp * layout.cp * layout.dp
+    if model.num_experts is None:
+        require(ep == 1 and etp == tp,
+                "--expert-model-parallel-size / --expert-tensor-parallel-size need --num-experts")
+        return
+    require(min(ep, etp) >= 1, "--expert-model-parallel-size and --expert-tensor-parallel-size must be positive")
+    require(stage_ranks % (ep * etp) == 0,
+            f"--expert-model-parallel-size ({ep}) x --expert-tensor-parallel-size ({etp}) must divide "
+            f"--tensor-model-parallel-size x --context-parallel-size x data-parallel size ({stage_ranks})")
+    require(model.num_experts % ep == 0,
+            f"--num-experts ({model.num_experts}) must be divisible by --expert-model-parallel-size ({ep})")
+    require(model.moe_ffn_hidden_size % etp == 0,
+            f"--moe-ffn-hidden-size ({model.moe_ffn_hidden_size}) must be divisible by "
+            f"--expert-tensor-parallel-size ({etp})")
+    require(tp == 1 or layout.sequence_parallel,
+            "--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel")
+    require(layout.moe_dispatcher in DISPATCHERS,
+            f"--moe-token-dispatcher-type must be one of {', '.join(DISPATCHERS)}")

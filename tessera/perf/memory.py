@@ -35,6 +35,11 @@ fused kernel's output into the projection's input (both saved); RoPE's rotated Q
 saved beside the QKV output (which V, a view of it, keeps alive); and under SP the QKV and
 fc1 inputs are saved all-gathered.
 
+In a MoE layer the dense MLP terms are the shared expert's (if any), and the routed
+experts add theirs (`routed_expert_bytes`). Expert weights are sharded over EP x ETP and
+replicated over expert data parallelism (EDP = TP x CP x DP / (EP x ETP)), so the
+distributed optimizer shards their state over EDP, the dense state over DP x CP.
+
 The pipeline decides how many micro-batches are alive: under 1F1B the first stage holds
 min(p, m) of them; under the interleaved schedule min(m*v, 2(p-1) + (v-1)p + 1) model
 chunks (Megatron's warm-up count plus the one in flight), which is the paper's
@@ -45,12 +50,19 @@ L x (1 + (p-1)/(pv)) layers' worth. Every pipeline rank is counted with its own 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from typing import NamedTuple
 
 from tessera.config import ModelConfig
-from tessera.perf.flops import count_parameters
+from tessera.perf.flops import layer_parameters
 from tessera.perf.layout import Layout
 
 GIB = 2**30
+# What a MoE router and its permutation keep, as counted on tessera's compiled MoE block
+# (tests/perf/test_memory.py): two fp32 [tokens, experts] tensors (logits and scores) per
+# token and expert; per routed row its fp32 weight and four int64 indices (token, expert,
+# sort order and its inverse).
+ROUTER_SCORE_BYTES = 8.0
+ROW_INDEX_BYTES = 36.0
 # Of the device's memory, what the allocator can hand out: the CUDA context, NCCL's own
 # buffers and fragmentation take the rest (about 8%).
 USABLE_FRACTION = 0.92
@@ -65,22 +77,27 @@ class MemoryBreakdown:
     optimizer: float
     activations: float
     logits: float        # output layer and cross-entropy buffers of one micro-batch (last stage)
-    buffers: float       # gathered activations (SP), unsharded layers (FSDP)
+    buffers: float       # gathered activations (SP), unsharded layers (FSDP), token dispatch (MoE)
     stage: str           # which pipeline stage this is ("pipeline rank 0 of 4", "the only stage")
+    expert_state: float = 0.0   # of weights + gradients + optimizer: the routed experts' part
 
     @property
     def total(self) -> float:
-        return sum(getattr(self, f.name) for f in fields(self) if f.name != "stage")
+        return sum(self.as_dict().values())
 
     def as_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "stage"}
+        """The categories that add up to the total."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("stage", "expert_state")}
 
 
 def layer_activation_bytes(model: ModelConfig, layout: Layout, seq_length: int,
-                           fused_attention: bool = True) -> float:
-    """Activations one transformer layer saves for backward, for one micro-batch on one GPU."""
+                           fused_attention: bool = True, moe: bool = False) -> float:
+    """Activations one transformer layer (a MoE layer if `moe`) saves for backward, for one
+    micro-batch on one GPU."""
     s, b = seq_length / layout.cp, layout.micro_batch_size
-    h, f, a = model.hidden_size, model.ffn_hidden_size, model.num_attention_heads
+    h, a = model.hidden_size, model.num_attention_heads
+    # A MoE layer's dense MLP is its shared expert, if it has one; the routed experts come on top.
+    f = (model.moe_shared_expert_intermediate_size or 0) if moe else model.ffn_hidden_size
     q = model.num_attention_heads * model.kv_channels
     kv = model.num_query_groups * model.kv_channels
     t = layout.tp
@@ -91,7 +108,7 @@ def layer_activation_bytes(model: ModelConfig, layout: Layout, seq_length: int,
         return residual * s * b * h / sp
     norm_inputs = (1 if tessera and layout.compiled else 2) * residual * s * b * h
     masks = 2 * s * b * h if model.hidden_dropout > 0 else 0.0
-    gemm_inputs = 2 * s * b * h + 2 * s * b * h   # QKV and fc1
+    gemm_inputs = 2 * s * b * h + (2 * s * b * h if f else 0.0)   # QKV and fc1
     gated = 2 if model.swiglu else 1
     tensor_sharded = 2 * s * b * (q + 2 * kv) + 2 * s * b * q + 2 * s * b * f * gated + 2 * s * b * f
     if tessera and model.position_embedding_type == "rope":
@@ -103,9 +120,40 @@ def layer_activation_bytes(model: ModelConfig, layout: Layout, seq_length: int,
         else:
             per_score = 5 if model.attention_dropout > 0 else 2   # scores, and mask + dropout output
             tensor_sharded += per_score * a * s * s * b
+    routed = routed_expert_bytes(model, layout, s * b / sp) if moe else 0.0
     if tessera:   # the all-gathered GEMM inputs are what autograd keeps
-        return (norm_inputs + masks) / sp + (gemm_inputs * sp + tensor_sharded) / t
-    return (norm_inputs + masks + gemm_inputs) / sp + tensor_sharded / t
+        return (norm_inputs + masks) / sp + (gemm_inputs * sp + tensor_sharded) / t + routed
+    return (norm_inputs + masks + gemm_inputs) / sp + tensor_sharded / t + routed
+
+
+def routed_expert_bytes(model: ModelConfig, layout: Layout, tokens: float) -> float:
+    """What a MoE layer's router and routed experts save for backward, for this GPU's `tokens`
+    (its sequence-parallel shard).
+
+    Each expert-TP rank computes its slice of every row of its ETP group, so the rows are
+    ETP x tokens x k under balanced routing (the aux loss aims at it; a dropless router's
+    imbalance at the start of training is not modelled). Each row keeps its copy of the
+    token's hidden state (fc1's input), fc1's output and fc2's input at moe_ffn / ETP width
+    (bf16, as a compiled or fused expert MLP saves them; tessera's eager one keeps fp32
+    intermediates too), and its weight and indices. The router keeps its bf16 input (an
+    fp32 router casts it again in backward) and its scores.
+    """
+    h, f, etp = model.hidden_size, model.moe_ffn_hidden_size, layout.expert_tp
+    gated = 2 if model.swiglu else 1
+    rows = etp * tokens * model.moe_router_topk
+    router = 2 * tokens * h + ROUTER_SCORE_BYTES * tokens * model.num_experts
+    return router + rows * (2 * h + 2 * gated * f / etp + 2 * f / etp + ROW_INDEX_BYTES)
+
+
+def dispatch_buffer_bytes(model: ModelConfig, layout: Layout, seq_length: int) -> float:
+    """The largest transient tensor of token dispatch (an estimate): the all-gathered tokens of
+    the EP x ETP group (allgather), or the send and receive buffers of the rows (alltoall)."""
+    if not layout.dispatches:
+        return 0.0
+    tokens = seq_length / layout.cp * layout.micro_batch_size / (layout.tp if layout.sequence_parallel else 1)
+    if layout.moe_dispatcher == "allgather":
+        return 2.0 * layout.ep * layout.expert_tp * tokens * model.hidden_size
+    return 2 * 2.0 * layout.expert_tp * tokens * model.moe_router_topk * model.hidden_size
 
 
 def _residual_bytes(layout: Layout) -> int:
@@ -122,17 +170,24 @@ def chunks_in_flight(layout: Layout, num_micro_batches: int, stage: int) -> int:
     return min(num_micro_batches * v, warmup + 1)
 
 
-def _params_per_layer(model: ModelConfig) -> float:
-    params = count_parameters(model, vocab_size=model.hidden_size)  # vocabulary is counted apart
-    norm = model.hidden_size * (2 if model.normalization == "LayerNorm" else 1)
-    return (params.non_embedding - norm) / model.num_layers
+class StageParameters(NamedTuple):
+    """Parameters held by one GPU of a pipeline rank."""
+
+    dense: float     # sharded by TP, replicated over DP x CP
+    experts: float   # routed experts: sharded by EP x ETP, replicated over EDP
+
+    @property
+    def total(self) -> float:
+        return self.dense + self.experts
 
 
-def stage_parameters(model: ModelConfig, layout: Layout, vocab_size: int, pp_rank: int) -> float:
+def stage_parameters(model: ModelConfig, layout: Layout, vocab_size: int, pp_rank: int) -> StageParameters:
     """Parameters held by one GPU of pipeline rank `pp_rank`."""
     h = model.hidden_size
     first, last = pp_rank == 0, pp_rank == layout.pp - 1
-    params = layout.layers_per_rank(model.num_layers)[pp_rank] * _params_per_layer(model) / layout.tp
+    every_layer = layer_parameters(model)
+    layers = [every_layer[i] for i in layout.rank_layers(model.num_layers)[pp_rank]]
+    params = sum(layer.dense for layer in layers) / layout.tp
     word_embedding = vocab_size * h / layout.tp
     positions = model.max_position_embeddings * h if model.position_embedding_type == "learned_absolute" else 0
     if first:
@@ -142,7 +197,7 @@ def stage_parameters(model: ModelConfig, layout: Layout, vocab_size: int, pp_ran
         # An untied output layer, or the copy of the tied embedding a separate last stage keeps.
         if not model.tie_embeddings or not first:
             params += word_embedding
-    return params
+    return StageParameters(params, sum(layer.experts for layer in layers) / (layout.ep * layout.expert_tp))
 
 
 def estimate_memory(model: ModelConfig, layout: Layout, global_batch_size: int, seq_length: int,
@@ -157,34 +212,45 @@ def _stage_memory(model: ModelConfig, layout: Layout, global_batch_size: int, se
                   vocab: int, pp_rank: int) -> MemoryBreakdown:
     params = stage_parameters(model, layout, vocab, pp_rank)
     num_micro_batches = layout.num_micro_batches(global_batch_size)
-    weights, gradients, optimizer = _state_bytes_per_parameter(layout, num_micro_batches)
-    weights, gradients, optimizer = weights * params, gradients * params, optimizer * params
+    # Dense state is sharded over DP x CP, the experts' over their own replicas (EDP).
+    dense_bytes = _state_bytes_per_parameter(layout, num_micro_batches, layout.dp * layout.cp)
+    expert_bytes = _state_bytes_per_parameter(layout, num_micro_batches, layout.edp)
+    weights, gradients, optimizer = (d * params.dense + e * params.experts for d, e in zip(dense_bytes, expert_bytes))
+    moe = model.moe_layers()
+    layers = layout.rank_layers(model.num_layers)[pp_rank]
     buffers = 0.0
     if layout.fsdp:
-        # The layer being computed and the one being prefetched, unsharded (bf16 weights, fp32 grads).
-        buffers += 2 * 6.0 * _params_per_layer(model) / layout.tp
+        # The largest layer being computed and the one being prefetched, unsharded (bf16 weights, fp32 grads).
+        every_layer = layer_parameters(model)
+        largest = max(every_layer[i].dense / layout.tp + every_layer[i].experts / (layout.ep * layout.expert_tp)
+                      for i in layers)
+        buffers += 2 * 6.0 * largest
 
     s, b, h = seq_length / layout.cp, layout.micro_batch_size, model.hidden_size
-    per_layer = layer_activation_bytes(model, layout, seq_length)
-    layers_per_chunk = layout.layers_per_rank(model.num_layers)[pp_rank] / layout.virtual_stages
+    per_kind = {kind: layer_activation_bytes(model, layout, seq_length, moe=kind) for kind in set(moe)}
     chunks = chunks_in_flight(layout, num_micro_batches, pp_rank)
-    activations = chunks * layers_per_chunk * per_layer
+    # Chunks in flight, each a 1/v share of the rank's layers (alike when MoE layers are spread evenly).
+    activations = chunks * sum(per_kind[moe[i]] for i in layers) / layout.virtual_stages
     if layout.recompute == "full":
         # Backward recomputes one layer at a time: its full activations exist briefly.
-        activations += layer_activation_bytes(model, replace(layout, recompute="none"), seq_length)
+        activations += max(layer_activation_bytes(model, replace(layout, recompute="none"), seq_length, moe=moe[i])
+                           for i in layers)
     # bf16 logits + the fp32 softmax (or its gradient); tessera's compiled loss at TP = 1
     # fuses the softmax into the loss kernel and keeps only the bf16 logits.
     per_logit = 2.0 if layout.framework == "tessera" and layout.compiled and layout.tp == 1 else 6.0
     logits = per_logit * s * b * vocab / layout.tp if pp_rank == layout.pp - 1 else 0.0
     if layout.sequence_parallel and layout.framework == "megatron":
         buffers += 2.0 * s * b * h  # the all-gathered input of the GEMM being computed (tessera saves it)
+    if any(moe[i] for i in layers):
+        buffers += dispatch_buffer_bytes(model, layout, seq_length)
     stage = "the only stage" if layout.pp == 1 else f"pipeline rank {pp_rank} of {layout.pp}"
-    return MemoryBreakdown(weights, gradients, optimizer, activations, logits, buffers, stage)
+    return MemoryBreakdown(weights, gradients, optimizer, activations, logits, buffers, stage,
+                           sum(expert_bytes) * params.experts)
 
 
-def _state_bytes_per_parameter(layout: Layout, num_micro_batches: int) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer state) bytes per parameter at the step's peak."""
-    shards = layout.dp * layout.cp
+def _state_bytes_per_parameter(layout: Layout, num_micro_batches: int, shards: int) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) bytes per parameter at the step's peak, for
+    parameters with `shards` data-parallel replicas."""
     if layout.fsdp:
         return 2.0 / shards, 4.0 / shards, 12.0 / shards
     if layout.distributed_optimizer:

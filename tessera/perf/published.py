@@ -8,6 +8,11 @@ the time, which did not halve causal attention; the predictions use the same cou
 
 What the sources do not state -- micro-batch size and interleaving -- the planner chooses:
 the fastest layout that fits, with TP, PP and DP held at the published values.
+
+One MoE point: Megatron-Core's MoE README (v0.9) gives 468 TFLOP/s/GPU for Mixtral 8x7B in
+bf16 without its setup; the README's H100 reference mapping for that model is taken as the
+setup (shared/reference/moe.md, section 6), counted with the FLOPs formula of the time
+(no causal halving; its k x ffn equals k x moe_ffn for Mixtral).
 """
 
 from __future__ import annotations
@@ -15,10 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tessera.config import ModelConfig
+from tessera.models.presets import preset_values
 from tessera.perf.cluster import CLUSTERS
 from tessera.perf.kernels import KernelCurves, load_curves
+from tessera.perf.layout import Layout
 from tessera.perf.search import SearchSpace, search
-from tessera.perf.simulator import Prediction
+from tessera.perf.simulator import Prediction, predict
 
 SEQ_LENGTH, VOCAB_SIZE = 4096, 131072
 CLUSTER = CLUSTERS["dgx-h100"]
@@ -62,6 +69,21 @@ STRONG_SCALING = [
     for gpus, mfu in [(96, 0.47), (144, None), (288, None), (576, None), (1152, None),
                       (2304, 0.44), (3072, None), (4608, 0.42)]
 ]
+
+
+MIXTRAL_TFLOPS = 468.0
+# 64 GPUs, dropless, TP1 EP8 PP4 VP8, micro-batch 1, batch 256, seq 4096; the alltoall
+# dispatcher and grouped GEMMs of the README's recipe; the distributed optimizer assumed.
+MIXTRAL_LAYOUT = Layout(tp=1, pp=4, dp=16, ep=8, virtual_stages=8, moe_dispatcher="alltoall",
+                        distributed_optimizer=True)
+MIXTRAL_BATCH = 256
+
+
+def predict_mixtral(curves: KernelCurves | None = None) -> Prediction:
+    """The planner's prediction for Megatron-Core's Mixtral 8x7B point (MIXTRAL_TFLOPS)."""
+    model = ModelConfig(**preset_values("mixtral-8x7b"))   # sequence 4096
+    return predict(model, MIXTRAL_LAYOUT, CLUSTER, curves or load_curves(gpu_name=CLUSTER.gpu.name), MIXTRAL_BATCH,
+                   SEQ_LENGTH, causal_flops=False)
 
 
 def predict_run(run: PublishedRun, curves: KernelCurves) -> Prediction:

@@ -5,8 +5,10 @@ two dividing the heads), PP dividing the layers, context parallel only for seque
 8k and more, interleaving only with pipelining, each pipeline split evenly and balanced
 (tessera.perf.simulator.balance_pipeline), sequence parallelism and TP comm overlap
 whenever TP > 1, the distributed optimizer whenever DP > 1 (it is never slower and saves
-memory), recomputation only as a fallback when nothing fits without it. Anything a user
-fixes on the command line is held fixed.
+memory), recomputation only as a fallback when nothing fits without it. For MoE models,
+expert parallelism: EP a power of two dividing the experts, expert-TP 1 or the TP size,
+folded into TP x CP x DP; the alltoall dispatcher with EP > 1 is tried beside allgather.
+Anything a user fixes on the command line is held fixed.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ class SearchSpace:
     tp: tuple[int, ...] | None = None
     pp: tuple[int, ...] | None = None
     cp: tuple[int, ...] | None = None
+    ep: tuple[int, ...] | None = None
+    etp: tuple[int, ...] | None = None
+    moe_dispatcher: tuple[str, ...] | None = None
     virtual_stages: tuple[int, ...] | None = None
     micro_batch_size: tuple[int, ...] | None = None
     recompute: tuple[str, ...] | None = None
@@ -68,19 +73,33 @@ def candidates(model: ModelConfig, gpus: int, gpus_per_node: int, global_batch_s
             continue
         dp = gpus // (tp * pp * cp)
         virtual = (space.virtual_stages or tuple(_divisors(model.num_layers // pp))) if pp > 1 else (1,)
-        for vp in virtual:
-            layout = Layout(tp=tp, pp=pp, dp=dp, cp=cp, virtual_stages=vp, micro_batch_size=mbs,
+        for vp, (ep, etp, dispatcher) in itertools.product(virtual, _expert_layouts(model, tp, space)):
+            layout = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, moe_dispatcher=dispatcher,
+                            virtual_stages=vp, micro_batch_size=mbs,
                             first_stage_layers=space.first_stage_layers if pp > 1 else None,
                             last_stage_layers=space.last_stage_layers if pp > 1 else None,
                             sequence_parallel=tp > 1, tp_comm_overlap=space.tp_comm_overlap and tp > 1,
-                            distributed_optimizer=dp * cp > 1, compiled=space.compiled,
-                            framework=space.framework)
+                            distributed_optimizer=dp * cp > 1 or tp * cp * dp > ep * (etp or tp),  # or EDP > 1
+                            compiled=space.compiled, framework=space.framework)
             try:
                 check_layout(model, layout, global_batch_size, seq_length)
             except ConfigError:
                 continue
             found.append(layout)
     return found
+
+
+def _expert_layouts(model: ModelConfig, tp: int, space: SearchSpace) -> list[tuple[int, int | None, str]]:
+    """(EP, expert-TP, dispatcher) to try with this TP; check_layout drops what does not fold."""
+    if model.num_experts is None:
+        return [(1, None, "allgather")]
+    eps = space.ep or tuple(_powers_of_two(model.num_experts))
+    etps = space.etp or tuple(sorted({1, tp}))
+    tried = []
+    for ep, etp in itertools.product(eps, etps):
+        dispatchers = space.moe_dispatcher or (("allgather", "alltoall") if ep > 1 else ("allgather",))
+        tried += [(ep, etp, dispatcher) for dispatcher in dispatchers]
+    return tried
 
 
 def search(model: ModelConfig, gpus: int, cluster: Cluster, curves: KernelCurves, global_batch_size: int,

@@ -5,9 +5,10 @@ The step is built from what each GPU does, as Megatron-LM schedules it:
 1. One micro-batch through one layer: each GEMM (forward, input-gradient, weight-gradient
    shapes) timed on the GEMM curve, fused causal attention on the attention curve,
    norms/activations/residuals/RoPE from their HBM bytes (tessera.perf.kernels), and the
-   tensor-parallel collectives (tessera.perf.cluster). A collective that Megatron runs
-   beside a GEMM costs only what the GEMM does not cover, plus its link's interference
-   share of the covered part (both compete for SMs and HBM).
+   tensor-parallel collectives (tessera.perf.cluster); in a MoE layer also the router,
+   the experts' grouped GEMMs and the token dispatch (tessera.perf.moe). A collective
+   that Megatron runs beside a GEMM costs only what the GEMM does not cover, plus its
+   link's interference share of the covered part (both compete for SMs and HBM).
 2. A pipeline rank's micro-batch time is its layers (uneven splits give ranks different
    counts) plus, on the last rank, the output layer and the loss (the embedding lookup on
    the first is a row copy per token, not timed). The step is m micro-batch times of the
@@ -16,8 +17,9 @@ The step is built from what each GPU does, as Megatron-LM schedules it:
    1F1B and interleaved 1F1B. The first/last transfers of the fill and drain cannot hide;
    tessera's runner also waits for the transfers after every chunk's forward and backward.
 3. Gradients are reduce-scattered (distributed optimizer), all-reduced (DDP) or
-   reduce-scattered per layer (FSDP) over data x context parallel, in fp32; parameters are
-   all-gathered in bf16. With overlap only what the last micro-batch's backward (or the
+   reduce-scattered per layer (FSDP) over data x context parallel (the routed experts'
+   over expert data parallel, after the dense ones), in fp32; parameters are all-gathered
+   in bf16. With overlap only what the last micro-batch's backward (or the
    first's forward, for the gather) cannot cover is exposed, and never less than one
    bucket. Then the optimizer step reads and writes its shard at HBM speed.
 
@@ -36,7 +38,8 @@ from tessera.perf.cluster import Cluster, Link
 from tessera.perf.flops import flops_per_iteration
 from tessera.perf.kernels import KernelCurves
 from tessera.perf.layout import Layout
-from tessera.perf.memory import MemoryBreakdown, estimate_memory, stage_parameters
+from tessera.perf.memory import MemoryBreakdown, StageParameters, estimate_memory, stage_parameters
+from tessera.perf.moe import add_routed_experts
 
 # Bytes a parameter costs in the optimizer step: Adam reads fp32 param, grad, m, v (16),
 # writes param, m, v (12) and the bf16 copy (2); the grad-norm reads the grad again (4).
@@ -107,26 +110,37 @@ class StepModel:
         self.peak = cluster.gpu.peak_tflops[dtype] * 1e12
         self.hbm = cluster.gpu.hbm_tb_per_s * 1e12 * curves.hbm_efficiency
 
-    def _gemm(self, m: float, n: float, k: float) -> tuple[float, float, float]:
-        """(forward, input-gradient, weight-gradient) seconds of a GEMM with forward shape m x n x k."""
-        time = lambda a, b, c: self.curves.gemm_time(int(a), int(b), int(c), self.peak, self.hbm / self.curves.hbm_efficiency)
+    def gemm(self, m: float, n: float, k: float, groups: int = 1, peak: float | None = None,
+             bytes_per_element: int = 2) -> tuple[float, float, float]:
+        """(forward, input-gradient, weight-gradient) seconds of a GEMM with forward shape m x n x k
+        (a grouped GEMM of `groups` such shapes; at `peak` FLOP/s instead of the dtype's)."""
+        hbm = self.hbm / self.curves.hbm_efficiency
+
+        def time(a: float, b: float, c: float) -> float:
+            return self.curves.gemm_time(int(a), int(b), int(c), peak or self.peak, hbm, bytes_per_element, groups)
+
         return time(m, n, k), time(m, k, n), time(k, n, m)
 
-    def layer(self, layout: Layout) -> tuple[Phase, Phase]:
-        """Forward and backward of one transformer layer for one micro-batch on one GPU."""
+    def activation_bytes(self, width: float) -> tuple[float, float]:
+        """HBM bytes per token of the MLP's activation function on `width` features (forward, backward)."""
+        return (6 * width, 10 * width) if self.model.swiglu else (4 * width, 6 * width)
+
+    def layer(self, layout: Layout, moe: bool = False) -> tuple[Phase, Phase]:
+        """Forward and backward of one transformer layer (a MoE layer if `moe`) for one micro-batch on one GPU."""
         model, t = self.model, layout.tp
         tokens = layout.micro_batch_size * self.seq / layout.cp
-        h, f = model.hidden_size, model.ffn_hidden_size
+        h = model.hidden_size
+        # A MoE layer's dense MLP is its shared expert, if it has one (tessera.perf.moe times the routed experts).
+        f = (model.moe_shared_expert_intermediate_size or 0) if moe else model.ffn_hidden_size
         q = model.num_attention_heads * model.kv_channels
         kv = model.num_query_groups * model.kv_channels
         gated = 2 if model.swiglu else 1
-        qkv = self._gemm(tokens, (q + 2 * kv) / t, h)
-        proj = self._gemm(tokens, h, q / t)
-        fc1 = self._gemm(tokens, gated * f / t, h)
-        fc2 = self._gemm(tokens, h, f / t)
+        blocks = [(self.gemm(tokens, (q + 2 * kv) / t, h), self.gemm(tokens, h, q / t))]   # (column, row) parallel
+        if f:
+            blocks.append((self.gemm(tokens, gated * f / t, h), self.gemm(tokens, h, f / t)))
         fwd, bwd = Phase(), Phase()
-        fwd.add("gemm", qkv[0] + proj[0] + fc1[0] + fc2[0])
-        bwd.add("gemm", sum(qkv[1:] + proj[1:] + fc1[1:] + fc2[1:]))
+        fwd.add("gemm", sum(gemm[0] for block in blocks for gemm in block))
+        bwd.add("gemm", sum(gemm[1] + gemm[2] for block in blocks for gemm in block))
 
         # Causal: every query sees half the sequence on average (CP balances the halves).
         attention_flops = 2.0 * tokens * self.seq * q / t
@@ -139,26 +153,29 @@ class StepModel:
         # Bytes per token: two norms and two residual adds on h (sharded by SP), the
         # activation function on f, RoPE on q and k.
         sp = t if layout.sequence_parallel else 1
-        act_fwd, act_bwd = (6 * f, 10 * f) if model.swiglu else (4 * f, 6 * f)
+        act_fwd, act_bwd = self.activation_bytes(f)
         rope = 4 * (q + kv) if model.position_embedding_type == "rope" else 0
         fwd.add("memory_bound", tokens * (20 * h / sp + (act_fwd + rope) / t) / self.hbm)
         bwd.add("memory_bound", tokens * (20 * h / sp + (act_bwd + rope) / t) / self.hbm)
         if layout.sequence_parallel and layout.framework == "tessera":
-            # tessera's activations are [batch, seq, hidden]: each of the pass's two all-gathers
-            # and two reduce-scatters along seq copies its input and output to and from
-            # seq-first layout (bf16, read + write, the full and the 1/t tensor).
-            transposes = 4 * 2 * 2 * tokens * h * (1 + 1 / t)
+            # tessera's activations are [batch, seq, hidden]: each of the pass's all-gathers and
+            # reduce-scatters (one of each per block) along seq copies its input and output to and
+            # from seq-first layout (bf16, read + write, the full and the 1/t tensor).
+            transposes = len(blocks) * 2 * 2 * 2 * tokens * h * (1 + 1 / t)
             fwd.add("memory_bound", transposes / self.hbm)
             bwd.add("memory_bound", transposes / self.hbm)
 
         if t > 1:
-            self._tensor_parallel_comm(layout, tokens * h * 2, qkv, proj, fc1, fc2, fwd, bwd)
+            self._tensor_parallel_comm(layout, tokens * h * 2, blocks, fwd, bwd)
         if layout.cp > 1:
             self._context_parallel_comm(layout, tokens, kv, fwd, bwd)
+        if moe:
+            add_routed_experts(self, layout, tokens / sp, fwd, bwd)
         return fwd, bwd
 
-    def _tensor_parallel_comm(self, layout, nbytes, qkv, proj, fc1, fc2, fwd: Phase, bwd: Phase) -> None:
-        """Megatron's TP collectives per layer, each beside the GEMM it can hide behind.
+    def _tensor_parallel_comm(self, layout, nbytes, blocks, fwd: Phase, bwd: Phase) -> None:
+        """Megatron's TP collectives per layer, each beside the GEMM it can hide behind; `blocks`
+        are the (column-parallel, row-parallel) GEMM pairs: attention, and the MLP if any.
 
         Without --tp-comm-overlap only the backward's collectives on the weight-gradient
         and input-gradient paths run asynchronously (Megatron's default); with it, TE
@@ -166,33 +183,30 @@ class StepModel:
         between its GEMMs (none hidden) and keeps the gathered GEMM inputs, so its backward
         has the forward's collectives conjugated and no re-gather.
         """
-        ranks, per_node = layout.tp, min(layout.tp, self.cluster.gpus_per_node)
+        ranks, per_node = layout.tp, self.cluster.ranks_per_node(layout.tp)
         link = self.cluster.link(ranks, per_node)
         tpo = layout.tp_comm_overlap
 
         def beside(comm: float, gemm: float, overlap: bool) -> float:
             return _overlapped(comm, gemm, overlap, link)
 
-        if layout.framework == "tessera":
-            forward = 2 * (self.cluster.all_gather(nbytes, ranks, per_node)
-                           + self.cluster.reduce_scatter(nbytes, ranks, per_node)) \
-                if layout.sequence_parallel else 2 * self.cluster.all_reduce(nbytes, ranks, per_node)
-            fwd.add("tp_comm", forward)
-            bwd.add("tp_comm", forward)
-        elif layout.sequence_parallel:
-            gather = self.cluster.all_gather(nbytes, ranks, per_node)
-            scatter = self.cluster.reduce_scatter(nbytes, ranks, per_node)
-            fwd.add("tp_comm", beside(gather, qkv[0], tpo) + beside(scatter, proj[0], tpo)
-                    + beside(gather, fc1[0], tpo) + beside(scatter, fc2[0], tpo))
-            # Per linear: gather dY (row-parallel), or reduce-scatter dX beside the weight
-            # gradient and re-gather X beside the input gradient (column-parallel).
-            bwd.add("tp_comm", beside(gather, fc2[1], tpo) + beside(gather, proj[1], tpo)
-                    + beside(scatter, fc1[2], True) + beside(gather, fc1[1], True)
-                    + beside(scatter, qkv[2], True) + beside(gather, qkv[1], True))
-        else:
-            reduce = self.cluster.all_reduce(nbytes, ranks, per_node)
-            fwd.add("tp_comm", beside(reduce, proj[0], tpo) + beside(reduce, fc2[0], tpo))
-            bwd.add("tp_comm", beside(reduce, fc1[2], True) + beside(reduce, qkv[2], True))
+        gather = self.cluster.all_gather(nbytes, ranks, per_node)
+        scatter = self.cluster.reduce_scatter(nbytes, ranks, per_node)
+        reduce = self.cluster.all_reduce(nbytes, ranks, per_node)
+        for column, row in blocks:
+            if layout.framework == "tessera":
+                forward = gather + scatter if layout.sequence_parallel else reduce
+                fwd.add("tp_comm", forward)
+                bwd.add("tp_comm", forward)
+            elif layout.sequence_parallel:
+                fwd.add("tp_comm", beside(gather, column[0], tpo) + beside(scatter, row[0], tpo))
+                # Gather dY for the row-parallel GEMM; reduce-scatter dX beside the column-parallel
+                # one's weight gradient and re-gather X beside its input gradient.
+                bwd.add("tp_comm", beside(gather, row[1], tpo) + beside(scatter, column[2], True)
+                        + beside(gather, column[1], True))
+            else:
+                fwd.add("tp_comm", beside(reduce, row[0], tpo))
+                bwd.add("tp_comm", beside(reduce, column[2], True))
 
     def _context_parallel_comm(self, layout: Layout, tokens: float, kv: int, fwd: Phase, bwd: Phase) -> None:
         """Ring attention: cp-1 exchanges of a K, V block forward; K, V and dK, dV backward."""
@@ -206,7 +220,7 @@ class StepModel:
     def output_layer(self, layout: Layout, vocab: int) -> tuple[Phase, Phase]:
         """Logits GEMM and vocab-parallel cross-entropy for one micro-batch (last stage)."""
         tokens = layout.micro_batch_size * self.seq / layout.cp
-        logits = self._gemm(tokens, vocab / layout.tp, self.model.hidden_size)
+        logits = self.gemm(tokens, vocab / layout.tp, self.model.hidden_size)
         fwd, bwd = Phase(), Phase()
         fwd.add("gemm", logits[0])
         bwd.add("gemm", logits[1] + logits[2])
@@ -223,11 +237,10 @@ def predict(model: ModelConfig, layout: Layout, cluster: Cluster, curves: Kernel
     steps = StepModel(model, cluster, curves, seq_length, dtype)
     vocab = model.padded_vocab_size(layout.tp)
     micro_batches = layout.num_micro_batches(global_batch_size)
-    layer_fwd, layer_bwd = steps.layer(layout)
     output = steps.output_layer(layout, vocab)
-    per_rank = layout.layers_per_rank(model.num_layers)
-    passes = [_micro_batch_passes(layer_fwd, layer_bwd, layers, layout.recompute, output if rank == layout.pp - 1 else None)
-              for rank, layers in enumerate(per_rank)]
+    rank_layers = _rank_layer_passes(steps, layout)
+    passes = [_micro_batch_passes(layers, layout.recompute, output if rank == layout.pp - 1 else None)
+              for rank, layers in enumerate(rank_layers)]
     times = [fwd.total + bwd.total for fwd, bwd in passes]
     slowest = times.index(max(times))
     fwd, bwd = passes[slowest]
@@ -248,8 +261,7 @@ def predict(model: ModelConfig, layout: Layout, cluster: Cluster, curves: Kernel
             embedding = vocab * model.hidden_size / layout.tp * GRAD_BYTES
             step.add("dp_comm", cluster.all_reduce(embedding, 2, 1))
     params = stage_parameters(model, layout, vocab, slowest)
-    _data_parallel(step, steps, layout, params, layer_fwd, layer_bwd, fwd.total, bwd.total, micro_batches,
-                   per_rank[slowest])
+    _data_parallel(step, steps, layout, params, rank_layers[slowest], fwd.total, bwd.total, micro_batches)
 
     memory = estimate_memory(model, layout, global_batch_size, seq_length, vocab)
     model_flops = flops_per_iteration(model, global_batch_size, seq_length, vocab, causal=causal_flops)
@@ -270,8 +282,14 @@ def balance_pipeline(model: ModelConfig, layout: Layout, cluster: Cluster, curve
     if layout.pp == 1:
         return layout
     steps = StepModel(model, cluster, curves, seq_length)
-    layer_fwd, layer_bwd = steps.layer(layout)
-    layer = sum(phase.total for phase in _micro_batch_passes(layer_fwd, layer_bwd, 1, layout.recompute, None))
+    moe = model.moe_layers()
+
+    def seconds(kind: bool) -> float:
+        return sum(phase.total for phase in _micro_batch_passes([steps.layer(layout, kind)], layout.recompute, None))
+
+    per_kind = {kind: seconds(kind) for kind in set(moe)}
+    layer_times = [per_kind[kind] for kind in moe]   # dense and MoE layers differ
+    layer = sum(layer_times) / len(layer_times)       # the unit of the splits tried
     output = sum(phase.total for phase in steps.output_layer(layout, model.padded_vocab_size(layout.tp)))
     even = model.num_layers // (layout.pp * layout.virtual_stages)
     reach = range(max(1, even - math.ceil(output / layer) - 1), even + math.ceil(output / layer) + 2)
@@ -280,8 +298,9 @@ def balance_pipeline(model: ModelConfig, layout: Layout, cluster: Cluster, curve
         """(slowest rank's time in layers, stages' distance from even): among equally fast
         splits the nearest to even, whose chunks stay alike under interleaving."""
         candidate = replace(layout, first_stage_layers=first, last_stage_layers=last)
-        per_rank = candidate.layers_per_rank(model.num_layers)
-        slowest = max(layers * layer + (output if rank == layout.pp - 1 else 0.0) for rank, layers in enumerate(per_rank))
+        per_rank = candidate.rank_layers(model.num_layers)
+        slowest = max(sum(layer_times[i] for i in layers) + (output if rank == layout.pp - 1 else 0.0)
+                      for rank, layers in enumerate(per_rank))
         return round(slowest / layer, 6), sum(abs(size - even) for size in candidate.stage_layers(model.num_layers))
 
     options = {}
@@ -294,58 +313,75 @@ def balance_pipeline(model: ModelConfig, layout: Layout, cluster: Cluster, curve
     return replace(layout, first_stage_layers=first, last_stage_layers=last)
 
 
-def _micro_batch_passes(layer_fwd: Phase, layer_bwd: Phase, layers: int, recompute: str,
+def _rank_layer_passes(steps: StepModel, layout: Layout) -> list[list[tuple[Phase, Phase]]]:
+    """Per pipeline rank, the (forward, backward) of one micro-batch through each of its layers."""
+    moe = steps.model.moe_layers()
+    kinds = {kind: steps.layer(layout, kind) for kind in set(moe)}
+    return [[kinds[moe[i]] for i in layers] for layers in layout.rank_layers(steps.model.num_layers)]
+
+
+def _micro_batch_passes(layers: list[tuple[Phase, Phase]], recompute: str,
                         output: tuple[Phase, Phase] | None) -> tuple[Phase, Phase]:
-    """Forward and backward of one micro-batch on a pipeline rank with `layers` layers (and
+    """Forward and backward of one micro-batch on a pipeline rank through its `layers` (and
     the output layer and loss on the last rank)."""
     fwd, bwd = Phase(), Phase()
-    fwd.extend(layer_fwd, layers)
-    bwd.extend(layer_bwd, layers)
-    if recompute == "full":
-        bwd.extend(layer_fwd, layers, rename="recompute")
-    elif recompute == "selective":
-        bwd.add("recompute", layers * layer_fwd.times["attention"])
+    for layer_fwd, layer_bwd in layers:
+        fwd.extend(layer_fwd)
+        bwd.extend(layer_bwd)
+        if recompute == "full":
+            bwd.extend(layer_fwd, rename="recompute")
+        elif recompute == "selective":
+            bwd.add("recompute", layer_fwd.times["attention"])
     if output is not None:
         fwd.extend(output[0])
         bwd.extend(output[1])
     return fwd, bwd
 
 
-def _data_parallel(step: Phase, steps: StepModel, layout: Layout, params: float, layer_fwd: Phase,
-                   layer_bwd: Phase, fwd_time: float, bwd_time: float, micro_batches: int, layers: int) -> None:
-    """Gradient reduction, parameter gathering and the optimizer step."""
+def _data_parallel(step: Phase, steps: StepModel, layout: Layout, params: StageParameters,
+                   layers: list[tuple[Phase, Phase]], fwd_time: float, bwd_time: float, micro_batches: int) -> None:
+    """Gradient reduction, parameter gathering and the optimizer step: dense parameters over
+    DP x CP, the routed experts over their own replicas (EDP), both beside the same backward."""
     cluster = steps.cluster
-    ranks = layout.dp * layout.cp
-    per_node = min(ranks, max(1, cluster.gpus_per_node // layout.tp))
-    link = cluster.link(ranks, per_node)
-    bucket = max(40e6, 1e6 * layout.dp) / layout.tp  # Megatron's default bucket, in this GPU's params
+    groups = [(params.dense, layout.dp * layout.cp, cluster.ranks_per_node(layout.dp * layout.cp, layout.tp)),
+              (params.experts, layout.edp, cluster.ranks_per_node(layout.edp, layout.ep * layout.expert_tp))]
+    groups = [(count, ranks, per_node, cluster.link(ranks, per_node)) for count, ranks, per_node in groups
+              if count and ranks > 1]
     sharded = layout.distributed_optimizer or layout.fsdp
-    if ranks > 1 and layout.fsdp:
-        # Per layer and micro-batch: gather bf16 weights for forward and again for backward,
-        # reduce-scatter fp32 gradients; prefetching hides them behind the layer's compute.
-        layer_params = params / layers
-        gather = cluster.all_gather(layer_params * PARAM_GATHER_BYTES, ranks, per_node)
-        scatter = cluster.reduce_scatter(layer_params * GRAD_BYTES, ranks, per_node)
-        per_layer = _overlapped(gather, layer_fwd.total, True, link) + \
-            _overlapped(gather + scatter, layer_bwd.total, True, link)
-        step.add("dp_comm", micro_batches * layers * per_layer + gather)
-    elif ranks > 1 and layout.distributed_optimizer:
-        scatter = cluster.reduce_scatter(params * GRAD_BYTES, ranks, per_node)
-        gather = cluster.all_gather(params * PARAM_GATHER_BYTES, ranks, per_node)
-        last_scatter = cluster.reduce_scatter(bucket * GRAD_BYTES, ranks, per_node)
-        first_gather = cluster.all_gather(bucket * PARAM_GATHER_BYTES, ranks, per_node)
-        step.add("dp_comm", _exposed(scatter, bwd_time, last_scatter, layout.overlap_grad_reduce, link)
-                 + _exposed(gather, fwd_time, first_gather, layout.overlap_param_gather, link))
-    elif ranks > 1:
-        reduce = cluster.all_reduce(params * GRAD_BYTES, ranks, per_node)
-        last = cluster.all_reduce(bucket * GRAD_BYTES, ranks, per_node)
-        step.add("dp_comm", _exposed(reduce, bwd_time, last, layout.overlap_grad_reduce, link))
-    shard = params / ranks if sharded else params
-    step.add("optimizer", (shard * OPTIMIZER_BYTES_PER_PARAM + params * GRAD_BYTES) / steps.hbm)  # + zeroing grads
+    if groups:
+        _, ranks, per_node, _ = groups[0]
+        bucket = max(40e6, 1e6 * layout.dp) / layout.tp  # Megatron's default bucket, in this GPU's params
+        if layout.fsdp:
+            # Per layer and micro-batch: gather bf16 weights for forward and again for backward,
+            # reduce-scatter fp32 gradients; prefetching hides them behind the layer's compute.
+            gather = [(cluster.all_gather(count / len(layers) * PARAM_GATHER_BYTES, r, n), link)
+                      for count, r, n, link in groups]
+            scatter = [(cluster.reduce_scatter(count / len(layers) * GRAD_BYTES, r, n), link)
+                       for count, r, n, link in groups]
+            layer_fwd = sum(fwd.total for fwd, _ in layers) / len(layers)
+            layer_bwd = sum(bwd.total for _, bwd in layers) / len(layers)
+            per_layer = _exposed(gather, layer_fwd, 0.0, True) + _exposed(gather + scatter, layer_bwd, 0.0, True)
+            step.add("dp_comm", micro_batches * len(layers) * per_layer + sum(seconds for seconds, _ in gather))
+        elif layout.distributed_optimizer:
+            scatter = [(cluster.reduce_scatter(count * GRAD_BYTES, r, n), link) for count, r, n, link in groups]
+            gather = [(cluster.all_gather(count * PARAM_GATHER_BYTES, r, n), link) for count, r, n, link in groups]
+            last_scatter = cluster.reduce_scatter(bucket * GRAD_BYTES, ranks, per_node)
+            first_gather = cluster.all_gather(bucket * PARAM_GATHER_BYTES, ranks, per_node)
+            step.add("dp_comm", _exposed(scatter, bwd_time, last_scatter, layout.overlap_grad_reduce)
+                     + _exposed(gather, fwd_time, first_gather, layout.overlap_param_gather))
+        else:
+            reduce = [(cluster.all_reduce(count * GRAD_BYTES, r, n), link) for count, r, n, link in groups]
+            last = cluster.all_reduce(bucket * GRAD_BYTES, ranks, per_node)
+            step.add("dp_comm", _exposed(reduce, bwd_time, last, layout.overlap_grad_reduce))
+    shard = params.dense / (layout.dp * layout.cp) + params.experts / layout.edp if sharded else params.total
+    # The shard's update, and zeroing every gradient.
+    step.add("optimizer", (shard * OPTIMIZER_BYTES_PER_PARAM + params.total * GRAD_BYTES) / steps.hbm)
 
 
-def _exposed(comm: float, window: float, one_bucket: float, overlap: bool, link: Link) -> float:
-    """A bucketed DP collective beside one micro-batch's pass: at least its last bucket shows."""
-    if not overlap:
-        return comm
-    return max(one_bucket, _overlapped(comm, window, True, link))
+def _exposed(comms: list[tuple[float, Link]], window: float, one_bucket: float, overlap: bool) -> float:
+    """Bucketed DP collectives (seconds, link) beside one micro-batch's pass: at least the last bucket shows."""
+    total = sum(seconds for seconds, _ in comms)
+    if not overlap or not total:
+        return total
+    interference = sum(seconds * link.interference for seconds, link in comms) / total
+    return max(one_bucket, max(total - window, 0.0) + interference * min(total, window))

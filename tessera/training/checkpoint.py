@@ -55,7 +55,11 @@ WRITE_THREADS = 8
 CONFIG = "config.yaml"
 # Model fields a run may change on resume (fine-tuning, longer sequences with RoPE);
 # the parameters' shapes are checked on their own.
-_MAY_CHANGE = {"seq_length", "hidden_dropout", "attention_dropout", "init_method_std", "make_vocab_size_divisible_by"}
+_MAY_CHANGE = {"seq_length", "hidden_dropout", "attention_dropout", "init_method_std", "make_vocab_size_divisible_by",
+               # how MoE layers train, not what they hold
+               "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate",
+               "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
+               "moe_grouped_gemm", "moe_router_dtype"}
 
 
 @contextlib.contextmanager
@@ -171,7 +175,8 @@ def _check_tensors(state: dict[str, Any], metadata: dict, directory: Path) -> No
 
 def _layout(trainer) -> dict[str, int]:
     mesh = trainer.mesh
-    return {"tp": mesh.tp_size, "pp": mesh.pp_size, "dp": mesh.dp_size, "cp": mesh.cp_size}
+    return {"tp": mesh.tp_size, "pp": mesh.pp_size, "dp": mesh.dp_size, "cp": mesh.cp_size, "ep": mesh.ep_size,
+            "etp": mesh.etp_size}
 
 
 def _rng_state(trainer) -> dict[str, Any]:

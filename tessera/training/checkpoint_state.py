@@ -5,6 +5,8 @@ each rank says which rectangle of the *full* tensor each of its local pieces is.
 every piece of state is described that way, whatever cut it out of the full tensor:
 
 - tensor parallelism: `ShardSpec` pieces (fused q/k/v blocks, replicated KV groups);
+- expert parallelism: a block of experts (dim 0 of stacked expert weights), by global
+  expert index, so that a checkpoint saved at one EP size loads at another;
 - FSDP2: a DTensor's rows of the TP shard;
 - the distributed optimizer: a flat range of the TP shard, cut into at most three
   rectangles (a partial first row, whole rows, a partial last row).
@@ -16,6 +18,7 @@ ranks (DP replicas, TP-replicated KV groups) are identical; DCP writes one of th
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -96,6 +99,8 @@ def _spec(param: nn.Parameter) -> ShardSpec:
 
 def _to_full(spec: ShardSpec, view: torch.Tensor, origin: tuple[int, ...]) -> list[Block]:
     """Blocks of the full tensor for `view`, which sits at `origin` in this rank's TP shard."""
+    if spec.expert_size > 1:   # this rank's experts start at spec.expert_offset of the full tensor
+        origin = (origin[0] + spec.expert_offset, *origin[1:])
     if spec.replicated:
         return [(origin, view)]
     dim, start = spec.dim, origin[spec.dim]
@@ -111,22 +116,24 @@ def _to_full(spec: ShardSpec, view: torch.Tensor, origin: tuple[int, ...]) -> li
 
 
 def _flat_range_rectangles(flat: torch.Tensor, offset: int, shape: tuple[int, ...]):
-    """(view, origin) rectangles covering `flat`, elements [offset, offset + n) of a tensor of `shape`."""
+    """(view, origin) rectangles covering `flat`, elements [offset, offset + n) of a row-major
+    tensor of `shape`: a partial first row, whole rows, a partial last row, each partial row
+    cut the same way one dimension down (at most 2 x ndim - 1 rectangles)."""
     if len(shape) == 1:
         return [(flat, (offset,))]
-    if len(shape) != 2:
-        raise ValueError(f"checkpointing a flat slice of a {len(shape)}-D parameter is not supported")
-    cols, end, pieces, position = shape[1], offset + flat.numel(), [], offset
+    row_size, end, pieces, position = math.prod(shape[1:]), offset + flat.numel(), [], offset
     while position < end:
-        row, col = divmod(position, cols)
-        if col or end - position < cols:  # a partial row
-            length = min(cols - col, end - position)
-            view = flat[position - offset:position - offset + length].view(1, length)
+        row, within = divmod(position, row_size)
+        if within or end - position < row_size:  # part of one row
+            length = min(row_size - within, end - position)
+            part = flat[position - offset:position - offset + length]
+            pieces += [(view.unsqueeze(0), (row, *origin))
+                       for view, origin in _flat_range_rectangles(part, within, shape[1:])]
         else:  # as many whole rows as fit
-            rows = (end - position) // cols
-            length = rows * cols
-            view = flat[position - offset:position - offset + length].view(rows, cols)
-        pieces.append((view, (row, col)))
+            rows = (end - position) // row_size
+            length = rows * row_size
+            pieces.append((flat[position - offset:position - offset + length].view(rows, *shape[1:]),
+                           (row,) + (0,) * (len(shape) - 1)))
         position += length
     return pieces
 
@@ -144,8 +151,18 @@ def _local_blocks(param: nn.Parameter, tensor: torch.Tensor) -> list[Block]:
 
 
 def model_state(model: nn.Module) -> dict[str, Chunked]:
-    return {f"model.{_name(name)}": Chunked(_spec(param).full_shape, _local_blocks(param, param.data))
-            for name, param in model.named_parameters()}
+    """Every parameter, and every persistent buffer (a MoE router's expert bias; the same on all ranks)."""
+    state = {f"model.{_name(name)}": Chunked(_spec(param).full_shape, _local_blocks(param, param.data))
+             for name, param in model.named_parameters()}
+    for name, buffer in persistent_buffers(model).items():
+        state[f"model.{name}"] = Chunked(tuple(buffer.shape), [((0,) * buffer.ndim, buffer)])
+    return state
+
+
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    parameters = {_name(name) for name, _ in model.named_parameters()}
+    return {_name(name): tensor for name, tensor in model.state_dict(keep_vars=True).items()
+            if _name(name) not in parameters}
 
 
 def _name(name: str) -> str:

@@ -12,7 +12,7 @@ import json
 import math
 import resource
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -56,6 +56,7 @@ class IterationStats:
     skipped_iterations: int
     nan_iterations: int
     mem_gb: float
+    moe: dict[str, float] = field(default_factory=dict)   # MoE losses and load imbalance, by name
 
 
 class MetricsWriter:
@@ -88,6 +89,7 @@ class MetricsWriter:
             "lr": stats.lr, "grad_norm": stats.grad_norm, "loss_scale": stats.loss_scale,
             "skipped_iterations": stats.skipped_iterations, "nan_iterations": stats.nan_iterations,
             "iteration_time_ms": stats.seconds_per_iteration * 1e3, **speed, "mem_gb": stats.mem_gb,
+            **{name.replace(" ", "_"): value for name, value in stats.moe.items()},
         }
         remaining = (stats.train_iters - stats.iteration) * stats.seconds_per_iteration
         mfu = f"{speed['mfu'] * 100:.1f}%" if speed["mfu"] is not None else "n/a"
@@ -101,6 +103,8 @@ class MetricsWriter:
             f"learning rate: {stats.lr:.6E}",
             f"global batch size: {self.global_batch_size:5d}",
             f"lm loss: {stats.loss:.6E}",
+            *(f"{name}: {value:.6E}" if "imbalance" not in name else f"{name}: {value:.3f}"
+              for name, value in stats.moe.items()),
             f"loss scale: {stats.loss_scale:.6g}",
             f"grad norm: {stats.grad_norm:.3f}",
             f"number of skipped iterations: {stats.skipped_iterations:3d}",

@@ -9,12 +9,17 @@
 and returns a `TrainingOptimizer` the trainer drives the same way in all three. Norms and
 biases (every 1-D parameter) get no weight decay, as in Megatron-LM.
 
-The gradient norm counts every element of the model exactly once: grads sharded over
-tensor-parallel ranks add their squares over the TP group; grads replicated over TP
-(norms, row-parallel biases) are counted on TP rank 0 only; grads sharded over data-
-parallel ranks (distributed optimizer, FSDP2) add their squares over the DP group;
-pipeline stages add theirs over the PP group, the tied word embedding counted on the
-first stage only (after its gradient has been summed over the first and last stage).
+MoE expert weights are reduced over their own group, expert data parallelism (the ranks
+holding the same experts): they get a gradient buffer of their own, unless that group is
+the data-parallel group itself (no expert parallelism, expert-TP = TP).
+
+The gradient norm counts every element of the model exactly once, summed over all ranks:
+grads sharded over tensor-parallel ranks count their own elements; grads replicated over
+TP (norms, row-parallel biases) count on TP rank 0 only; grads replicated over data-
+parallel ranks count on the first replica, and those sharded over them (distributed
+optimizer, FSDP2) each their own slice; expert weights likewise over expert parallelism
+and expert data parallelism; the tied word embedding counts on the first pipeline stage
+only (after its gradient has been summed over the first and last stage).
 """
 
 from __future__ import annotations
@@ -42,13 +47,12 @@ def _adamw(params: list[torch.Tensor], optim: OptimConfig) -> torch.optim.AdamW:
 class TrainingOptimizer:
     """Zero grads, reduce them, measure their global norm, and step AdamW."""
 
-    def __init__(self, model: nn.Module, optim: OptimConfig, mesh: Mesh, *, grads: GradBuffer | None,
+    def __init__(self, model: nn.Module, optim: OptimConfig, mesh: Mesh, *, buffers: list[GradBuffer],
                  inner, dp_sharded: bool, pipeline: PipelineGroups | None = None):
-        self.model, self.optim, self.mesh, self.grads, self.inner = model, optim, mesh, grads, inner
+        self.model, self.optim, self.mesh, self.buffers, self.inner = model, optim, mesh, buffers, inner
         self.dp_sharded = dp_sharded  # each rank holds only its slice of the reduced grads
         self.pipeline = pipeline
-        self._norm_groups = [g for g in (mesh.tp_group, mesh.group("dp_cp") if dp_sharded else None,
-                                         mesh.group("pp")) if g]
+        self._buffer_of = {param: grads for grads in buffers for param in grads.ranges}
         # Under PP with tied embeddings the first and last stage each hold the word embedding.
         embedding = getattr(model, "embedding", None)
         self._tied = embedding.weight if pipeline is not None and embedding is not None \
@@ -60,21 +64,26 @@ class TrainingOptimizer:
         return self.inner.param_groups
 
     def zero_grad(self) -> None:
-        if self.grads is not None:
-            self.grads.zero()
-        else:
+        for grads in self.buffers:
+            grads.zero()
+        if not self.buffers:
             self.inner.zero_grad(set_to_none=True)
 
     def set_last_micro_batch(self, last: bool) -> None:
-        if self.grads is not None:
-            self.grads.set_last_micro_batch(last)
+        for grads in self.buffers:
+            grads.set_last_micro_batch(last)
+
+    def main_grad(self, param: nn.Parameter) -> torch.Tensor | None:
+        """The tensor holding `param`'s gradient (a view of its buffer, or .grad)."""
+        grads = self._buffer_of.get(param)
+        return grads.view(param) if grads is not None else _local(param.grad) if param.grad is not None else None
 
     def finish_grad_sync(self) -> None:
         """Finish the data-parallel reduction, then sum sequence-parallel partial gradients
         over TP (Megatron's order; both are sums, so only the data's location matters)."""
-        if self.grads is not None:
-            self.grads.finish()
-        main_grad = self.grads.view if self.grads is not None else lambda p: _local(p.grad)
+        for grads in self.buffers:
+            grads.finish()
+        main_grad = self.main_grad
         allreduce_sequence_parallel_grads(self.model, self.mesh.tp_group, main_grad=main_grad)
         if self._tied is not None:
             if isinstance(self.inner, DistributedOptimizer):
@@ -95,7 +104,7 @@ class TrainingOptimizer:
         """(gradient this rank holds, its parameter, flat offset of a slice or None if whole)."""
         if isinstance(self.inner, DistributedOptimizer):
             return self.inner.local_grads_with_offsets()
-        return [(_local(p.grad), p, _fsdp_row_offset(p, self.mesh)) for p in self.model.parameters()
+        return [(_local(p.grad), p, _fsdp_row_offset(p)) for p in self.model.parameters()
                 if p.grad is not None]
 
     @torch.no_grad()
@@ -104,6 +113,8 @@ class TrainingOptimizer:
         plain, masked = [], []
         for grad, param, offset in self._owned_grads():
             if param is self._norm_skips:   # the tied embedding's copy on the last stage: counted on the first
+                continue
+            if not (self.dp_sharded or self._first_replica(param)):
                 continue
             spec = getattr(param, "shard_spec", None)
             mask = spec.counted_mask() if spec is not None else None
@@ -119,9 +130,17 @@ class TrainingOptimizer:
         squares = torch.zeros((), device=next(self.model.parameters()).device)
         if plain or masked:
             squares += _sum_of_squares(plain + masked)
-        for group in self._norm_groups:
-            dist.all_reduce(squares, group=group)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(squares)   # every element was counted on exactly one rank
         return squares.sqrt()
+
+    def _first_replica(self, param: nn.Parameter) -> bool:
+        """Whether this rank is the first of the data-parallel replicas holding `param` (for
+        expert weights: of the expert-data-parallel replicas)."""
+        mesh = self.mesh
+        if getattr(param, "is_expert", False):
+            return mesh.edp_rank == 0
+        return mesh.dp_rank == 0 and mesh.cp_rank == 0
 
     @torch.no_grad()
     def step(self, norm: torch.Tensor, loss_scale: float, lr: float) -> torch.Tensor:
@@ -156,39 +175,47 @@ class TrainingOptimizer:
 
 
 def build_optimizer(model: nn.Module, optim: OptimConfig, parallel: ParallelConfig, mesh: Mesh, *,
-                    bf16: bool = False, pipeline: PipelineGroups | None = None) -> TrainingOptimizer:
+                    bf16: bool = False, pipeline: PipelineGroups | None = None, micro_batches: int = 1
+                    ) -> TrainingOptimizer:
     """The optimizer for the layout; call after the model is built (and FSDP2-wrapped)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if parallel.use_torch_fsdp2:
-        return TrainingOptimizer(model, optim, mesh, grads=None, inner=_adamw(params, optim), dp_sharded=True,
+        return TrainingOptimizer(model, optim, mesh, buffers=[], inner=_adamw(params, optim), dp_sharded=True,
                                  pipeline=pipeline)
-    dp_size = mesh.dp_size * mesh.cp_size
-    if dp_size == 1 and not parallel.use_distributed_optimizer:
+    if mesh.dp_size * mesh.cp_size == 1 and mesh.edp_size == 1 and not parallel.use_distributed_optimizer:
         # Nothing to reduce: plain .grad tensors, freed rather than zeroed between steps.
-        return TrainingOptimizer(model, optim, mesh, grads=None, inner=_adamw(params, optim), dp_sharded=False,
+        return TrainingOptimizer(model, optim, mesh, buffers=[], inner=_adamw(params, optim), dp_sharded=False,
                                  pipeline=pipeline)
-    grads = GradBuffer(
-        params, mesh.group("dp_cp"), bucket_size=parallel.ddp_bucket_size or default_bucket_size(dp_size),
+    experts = [p for p in params if getattr(p, "is_expert", False)]
+    if mesh.ep_size == 1 and mesh.etp_size == mesh.tp_size:   # experts replicated like everything else
+        experts = []
+    dense = [p for p in params if id(p) not in {id(e) for e in experts}]
+    groups = [(dense, mesh.group("dp_cp"), mesh.dp_size * mesh.cp_size), (experts, mesh.group("edp"), mesh.edp_size)]
+    buffers = [GradBuffer(
+        members, group, bucket_size=parallel.ddp_bucket_size or default_bucket_size(size),
         overlap=parallel.overlap_grad_reduce, reduce_scatter=parallel.use_distributed_optimizer,
         reduce_dtype=torch.bfloat16 if bf16 and not parallel.accumulate_allreduce_grads_in_fp32 else torch.float32,
-    )
+        # Nothing to reduce or accumulate: the distributed optimizer reads autograd's gradients.
+        stored=not (parallel.use_distributed_optimizer and group is None and micro_batches == 1),
+    ) for members, group, size in groups if members]
     if parallel.use_distributed_optimizer:
-        inner = DistributedOptimizer(model, grads, optim, param_dtype=torch.bfloat16 if bf16 else torch.float32,
+        inner = DistributedOptimizer(model, buffers, optim, param_dtype=torch.bfloat16 if bf16 else torch.float32,
                                      overlap_param_gather=parallel.overlap_param_gather)
-        return TrainingOptimizer(model, optim, mesh, grads=grads, inner=inner, dp_sharded=True,
+        return TrainingOptimizer(model, optim, mesh, buffers=buffers, inner=inner, dp_sharded=True,
                                  pipeline=pipeline)
-    return TrainingOptimizer(model, optim, mesh, grads=grads, inner=_adamw(params, optim), dp_sharded=False,
+    return TrainingOptimizer(model, optim, mesh, buffers=buffers, inner=_adamw(params, optim), dp_sharded=False,
                              pipeline=pipeline)
 
 
-def _fsdp_row_offset(param: nn.Parameter, mesh: Mesh) -> int | None:
-    """Flat offset of this rank's FSDP2 shard in the TP shard (FSDP2 cuts dim 0 in
-    torch.chunk pieces), or None for a whole tensor."""
+def _fsdp_row_offset(param: nn.Parameter) -> int | None:
+    """Flat offset of this rank's FSDP2 shard in the TP shard (FSDP2 cuts dim 0), or None for a
+    whole tensor."""
     if not hasattr(param, "to_local"):
         return None
-    rows = param.shape[0]
-    chunk = -(-rows // mesh.dp_size)
-    return min(mesh.dp_rank * chunk, rows) * (param.numel() // max(rows, 1))
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, origin = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return origin[0] * (param.numel() // max(param.shape[0], 1))
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -197,5 +224,5 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
-    norms = torch._foreach_norm(tensors, 2.0)
-    return torch.stack(norms).float().square().sum()
+    norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)   # also for bf16 gradients
+    return torch.stack(norms).square().sum()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -26,12 +26,14 @@ import torch.distributed as dist
 from tessera.config import ConfigError, RunConfig
 from tessera.data.mock import MockGPTDataset
 from tessera.models.gpt import GPTModel, Recompute, initialize_parameters
+from tessera.parallel.experts import ExpertGroups
 from tessera.parallel.fsdp import apply_fsdp2
 from tessera.parallel.mesh import Mesh, init_distributed
 from tessera.parallel.pipeline import PipelineGroups, PipelineRunner
 from tessera.parallel.pipeline_schedules import build_schedule, stage_layer_ranges
 from tessera.perf.flops import count_parameters, flops_per_iteration
 from tessera.training.checkpoint import Checkpointer
+from tessera.training.losses import MoEBalance, masked_loss_sum
 from tessera.training.nan_check import NonFiniteCheck
 from tessera.training.metrics import IterationStats, MetricsWriter, peak_memory_gb, resolve_peak_tflops
 from tessera.training.optimizer import build_optimizer
@@ -49,10 +51,12 @@ class StepResult:
     loss: torch.Tensor | float
     grad_norm: torch.Tensor | float
     skipped: torch.Tensor | bool
+    moe: dict[str, torch.Tensor | float] = field(default_factory=dict)   # MoE losses and load, by name
 
     def resolve(self) -> "StepResult":
-        loss, norm, skipped = torch.stack([self.loss, self.grad_norm, self.skipped.float()]).tolist()
-        return StepResult(loss, norm, bool(skipped))
+        loss, norm, skipped, *moe = torch.stack([self.loss, self.grad_norm, self.skipped.float(),
+                                                 *self.moe.values()]).tolist()
+        return StepResult(loss, norm, bool(skipped), dict(zip(self.moe, moe)))
 
 
 def resolve_device(name: str) -> torch.device:
@@ -67,19 +71,23 @@ class Trainer:
     def __init__(self, config: RunConfig):
         self.config = config
         train, parallel = config.train, config.parallel
-        for name in ("context_parallel_size", "expert_model_parallel_size"):
-            if getattr(parallel, name) > 1:  # planned for (tessera plan models them), not trainable yet
-                raise ConfigError(f"--{name.replace('_', '-')} > 1: not implemented in the trainer yet")
+        if parallel.context_parallel_size > 1:  # planned for (tessera plan models it), not trainable yet
+            raise ConfigError("--context-parallel-size > 1: not implemented in the trainer yet")
         self.device = init_distributed(resolve_device(train.device))
         self.mesh = Mesh.build(parallel, self.device.type)
         self.data = _DataSource(config, self.mesh)
         torch.manual_seed(train.seed)
         recompute = Recompute(train.recompute_granularity, train.recompute_method, train.recompute_num_layers)
         stage = self._pipeline_stage()
+        expert_groups = ExpertGroups.from_mesh(self.mesh, parallel.moe_token_dispatcher_type) \
+            if config.model.num_experts else None
         with torch.device(self.device):
-            self.model = GPTModel(config.model, tp_group=self.mesh.tp_group,
-                                  sequence_parallel=parallel.sequence_parallel, recompute=recompute, **stage)
+            self.model = GPTModel(config.model, tp_group=self.mesh.tp_group, sequence_parallel=parallel.sequence_parallel,
+                                  recompute=recompute, expert_groups=expert_groups, **stage)
         initialize_parameters(self.model, train.seed)
+        self.moe = MoEBalance(self.model, self.mesh, num_micro_batches=config.num_micro_batches,
+                              bias_update_rate=config.model.moe_router_bias_update_rate,
+                              per_layer=train.moe_per_layer_logging)
         if train.compile if train.compile is not None else self.device.type == "cuda":
             self._compile()
         if parallel.use_torch_fsdp2:
@@ -87,7 +95,7 @@ class Trainer:
         self.pipeline = PipelineGroups.build(self.mesh, tied_embeddings=config.model.tie_embeddings) \
             if self.mesh.pp_size > 1 else None
         self.optimizer = build_optimizer(self.model, config.optim, parallel, self.mesh, bf16=train.bf16,
-                                         pipeline=self.pipeline)
+                                         pipeline=self.pipeline, micro_batches=config.num_micro_batches)
         if self.pipeline is not None:
             self._build_pipeline_runners()
         self.lr_schedule = LRSchedule(config.optim, train.train_iters)
@@ -159,7 +167,7 @@ class Trainer:
             if stage < self.runner.last_stage:
                 return hidden
             losses = self.model.head(hidden, batch["labels"])
-        return (losses * batch["loss_mask"]).sum()
+        return masked_loss_sum(losses, batch["loss_mask"])
 
     def _run_pipeline(self, runner: PipelineRunner, micro_batches: list[Batch], loss_scale: torch.Tensor | None
                       ) -> torch.Tensor:
@@ -196,7 +204,7 @@ class Trainer:
         with autocast(self.device.type, self.amp_dtype):
             losses = self.model(batch["tokens"], labels=batch["labels"], position_ids=batch.get("position_ids"),
                                 attention_mask=batch.get("attention_mask"))
-        return (losses * batch["loss_mask"]).sum()
+        return masked_loss_sum(losses, batch["loss_mask"])
 
     def _sum_over_data_parallel(self, value: torch.Tensor) -> torch.Tensor:
         group = self.mesh.group("dp_cp")
@@ -209,6 +217,7 @@ class Trainer:
         micro_batches = [self._to_device(next(self.train_data)) for _ in range(self.config.num_micro_batches)]
         tokens = self._sum_over_data_parallel(sum(b["loss_mask"].sum() for b in micro_batches).float()).clamp(min=1)
         scale = self.loss_scaler.scale
+        self.moe.set_loss_scale(scale)
         self.optimizer.zero_grad()
         if self.pipeline is not None:
             loss_sum = self._run_pipeline(self.runner, micro_batches, scale / tokens)
@@ -220,6 +229,7 @@ class Trainer:
                 (loss * (scale / tokens)).backward()
                 loss_sum += loss.detach()
         self.optimizer.finish_grad_sync()
+        moe_metrics = self.moe.finish_step(self.device) if self.moe.active else {}
         norm = self.optimizer.grad_norm()
         if self.loss_scaler.dynamic:  # the scale of the next iteration depends on this one
             self.loss_scaler.update(not torch.isfinite(norm).item())
@@ -227,7 +237,7 @@ class Trainer:
         self.iteration += 1
         self.consumed_samples += self.config.train.global_batch_size
         loss = self._sum_over_data_parallel(loss_sum) / tokens
-        return StepResult(loss, norm, self.optimizer.found_inf > 0)
+        return StepResult(loss, norm, self.optimizer.found_inf > 0, moe_metrics)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -286,13 +296,14 @@ class Trainer:
                 if not math.isfinite(result.grad_norm) and not self.config.train.fp16:
                     self.nan_iterations += 1
         losses = [r.loss for r in results if not r.skipped]
+        moe = {name: sum(r.moe[name] for r in results) / len(results) for name in results[-1].moe}
         self.metrics.log_iteration(IterationStats(
             iteration=self.iteration, train_iters=self.config.train.train_iters,
             consumed_samples=self.consumed_samples, seconds_per_iteration=seconds_per_iteration,
             loss=sum(losses) / len(losses) if losses else float("nan"),
             lr=self.optimizer.param_groups[0]["lr"], grad_norm=results[-1].grad_norm,
             loss_scale=self.loss_scaler.scale, skipped_iterations=self.skipped_iterations,
-            nan_iterations=self.nan_iterations, mem_gb=peak_memory_gb(self.device),
+            nan_iterations=self.nan_iterations, mem_gb=peak_memory_gb(self.device), moe=moe,
         ))
         if self.pipeline is not None:
             self._log_bubble()
@@ -308,10 +319,12 @@ class Trainer:
     def _log_start(self) -> None:
         cfg, mesh = self.config, self.mesh
         params = count_parameters(cfg.model, self.model.vocab_size)
+        active = f", {params.active / 1e6:.1f}M active per token" if params.inactive else ""
+        experts = f" EP {mesh.ep_size} ETP {mesh.etp_size}" if cfg.model.num_experts else ""
         self.metrics.info(
-            f"tessera: {params.total / 1e6:.1f}M parameters ({params.non_embedding / 1e6:.1f}M non-embedding) | "
+            f"tessera: {params.total / 1e6:.1f}M parameters ({params.non_embedding / 1e6:.1f}M non-embedding{active}) | "
             f"{mesh.world_size} x {self.device.type} | TP {mesh.tp_size} CP {mesh.cp_size} DP {mesh.dp_size} "
-            f"PP {mesh.pp_size} | {cfg.train.dtype_name} | global batch {cfg.train.global_batch_size} = "
+            f"PP {mesh.pp_size}{experts} | {cfg.train.dtype_name} | global batch {cfg.train.global_batch_size} = "
             f"{cfg.num_micro_batches} micro-batches x {cfg.train.micro_batch_size} x DP {mesh.dp_size} "
             f"| seq {cfg.model.seq_length} | optimizer state {self.optimizer.state_bytes() / 2**30:.3f} GiB/rank"
         )

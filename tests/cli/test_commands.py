@@ -80,10 +80,19 @@ def test_unknown_command():
 
 
 def test_unimplemented_parallelism_is_refused_at_start():
-    result = tessera("train", "--model", "tiny-gpt", "--mock-data", "--lr", "1", "--train-iters", "1",
-                     "--context-parallel-size", "1", "--expert-model-parallel-size", "2")
+    # Refused before any process group is joined, so one process can stand for two.
+    result = subprocess.run([sys.executable, "-m", "tessera", "train", "--model", "tiny-gpt", "--mock-data", "--lr",
+                             "1", "--train-iters", "1", "--context-parallel-size", "2"],
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "WORLD_SIZE": "2"})
     assert result.returncode == 2
-    assert "--expert-model-parallel-size > 1: not implemented in the trainer yet" in result.stderr
+    assert "--context-parallel-size > 1: not implemented in the trainer yet" in result.stderr
+
+
+def test_expert_parallelism_needs_experts():
+    result = tessera("train", "--model", "tiny-gpt", "--mock-data", "--lr", "1", "--train-iters", "1",
+                     "--expert-model-parallel-size", "2")
+    assert result.returncode == 2 and "--expert-model-parallel-size / --expert-tensor-parallel-size need " \
+        "--num-experts" in result.stderr
 
 
 def test_print_schedule_without_launching():
@@ -97,3 +106,23 @@ def test_print_schedule_without_launching():
     assert lines[0].startswith("1f1b schedule: 2 pipeline ranks") and "bubble 20.0%" in lines[0]
     rank0 = next(line for line in lines if line.startswith("rank 0:"))
     assert rank0.count(" F") == 4 and rank0.count(" B") == 4   # every micro-batch forward and backward
+
+
+def test_flops_of_a_moe_model_count_its_active_parameters():
+    result = tessera("flops", "--model", "mixtral-8x7b", "--global-batch-size", "256")
+    assert result.returncode == 0, result.stderr
+    assert "46.703 B" in result.stdout and "active per token:       12.880 B  (2 of 8 experts" in result.stdout
+    report = json.loads(tessera("flops", "--model", "mixtral-8x7b", "--json").stdout)
+    assert report["active_parameters"] == 12_879_925_248
+    # Megatron's formula per token: 6 x the active GEMM weights (not the input embedding, the
+    # router or the norms) + causal attention.
+    embedding, router, norms, attention = 32000 * 4096, 32 * 8 * 4096, 65 * 4096, 6 * 32 * 4096 * 4096
+    gemm_weights = report["active_parameters"] - embedding - router - norms
+    assert report["flops_per_token"] == pytest.approx(6 * gemm_weights + attention, rel=1e-12)
+
+
+def test_plan_names_the_expert_layout_to_train_with():
+    result = tessera("plan", "--model", "mixtral-8x7b", "--gpus", "64", "--top", "1")
+    assert result.returncode == 0, result.stderr
+    assert "46.7B parameters, 12.9B active per token; global batch 256 x seq 4096" in result.stdout
+    assert "--expert-model-parallel-size" in result.stdout.splitlines()[-1]

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from tessera.cli.args import parse_run_config
 from tessera.parallel.collectives import all_gather_flat
+from tessera.training.checkpoint_state import persistent_buffers
 from tessera.training.trainer import Trainer
 
 STEPS = 5
@@ -30,20 +31,29 @@ BASE = ["--model", "tiny-llama", "--mock-data", "--lr", "3e-3", "--train-iters",
 
 
 def full_parameters(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """Every parameter as the full tensor, whatever the layout: DTensor (FSDP2) shards are
-    gathered over DP, tensor-parallel shards over TP and reassembled by their ShardSpec,
+    """Every parameter (and persistent buffer) as the full tensor, whatever the layout:
+    DTensor (FSDP2) shards are gathered over DP, tensor-parallel shards over TP (expert
+    weights over expert-TP) and reassembled by their ShardSpec, expert blocks over EP,
     pipeline stages' parameters over PP."""
     full = {}
-    tp_group = trainer.mesh.tp_group
+    mesh = trainer.mesh
     for name, param in trainer.model.named_parameters():
         tensor = (param.full_tensor() if hasattr(param, "full_tensor") else param).detach().float()
         spec = param.shard_spec
-        if tp_group is not None and not spec.replicated:
-            shards = [torch.empty_like(tensor) for _ in range(trainer.mesh.tp_size)]
-            dist.all_gather(shards, tensor.contiguous(), group=tp_group)
-            tensor = spec.unshard(shards)
+        group = mesh.group("etp") if param.is_expert else mesh.tp_group
+        if group is not None and not spec.replicated:
+            tensor = spec.unshard(_gather(tensor, group))
+        if spec.expert_size > 1:
+            tensor = torch.cat(_gather(tensor, mesh.group("ep")))
         full[name] = tensor.clone()
-    return _merge_pipeline_stages(full, trainer.mesh.group("pp"))
+    full.update({name: buffer.detach().float().clone() for name, buffer in persistent_buffers(trainer.model).items()})
+    return _merge_pipeline_stages(full, mesh.group("pp"))
+
+
+def _gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+    shards = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(shards, tensor.contiguous(), group=group)
+    return shards
 
 
 def _merge_pipeline_stages(stage: dict[str, torch.Tensor], pp_group) -> dict[str, torch.Tensor]:
@@ -67,9 +77,13 @@ def train(flags: list[str]) -> dict:
     world = dist.get_world_size() if dist.is_initialized() else 1
     config, _ = parse_run_config(BASE + flags, "test", world_size=world)
     trainer = Trainer(config)
-    history = trainer.train()
+    return result(trainer, trainer.train())
+
+
+def result(trainer: Trainer, history: list) -> dict:
+    """What assert_equivalent compares, of a finished run (on every rank: parameters are gathered)."""
     return {"loss": [r.loss for r in history], "grad_norm": [r.grad_norm for r in history],
-            "params": full_parameters(trainer)}
+            "moe": [r.moe for r in history], "params": full_parameters(trainer)}
 
 
 def train_layouts(layouts: dict[str, list[str]]) -> dict[str, dict]:
@@ -83,6 +97,8 @@ def assert_equivalent(reference: dict, result: dict, layout: str) -> None:
                                msg=lambda m: f"{layout}: loss differs\n{m}")
     torch.testing.assert_close(result["grad_norm"], reference["grad_norm"], rtol=1e-5, atol=0, equal_nan=True,
                                msg=lambda m: f"{layout}: grad norm differs\n{m}")
+    torch.testing.assert_close(result["moe"], reference["moe"], rtol=1e-5, atol=0,
+                               msg=lambda m: f"{layout}: MoE losses or load differ\n{m}")
     assert result["params"].keys() == reference["params"].keys(), layout
     for name, expected in reference["params"].items():
         actual = result["params"][name]

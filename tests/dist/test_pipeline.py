@@ -10,7 +10,7 @@ Layouts of one world size share one spawned run.
 import pytest
 import torch.distributed as dist
 
-from tests.dist.equivalence import BASE, assert_equivalent, full_parameters
+from tests.dist.equivalence import BASE, assert_equivalent, result
 from tests.dist.launcher import run_distributed
 
 LLAMA = ["--num-layers", "4"]                       # tiny-llama: RoPE, untied output layer
@@ -56,9 +56,7 @@ def _train(flags: list[str]) -> dict:
     world = dist.get_world_size() if dist.is_initialized() else 1
     config, _ = parse_run_config(BASE + EVAL + flags, "test", world_size=world)
     trainer = Trainer(config)
-    history = trainer.train()
-    return {"loss": [r.loss for r in history], "grad_norm": [r.grad_norm for r in history],
-            "params": full_parameters(trainer), "eval": trainer.evaluate()}
+    return {**result(trainer, trainer.train()), "eval": trainer.evaluate()}
 
 
 def _train_layouts(layouts: dict) -> dict:

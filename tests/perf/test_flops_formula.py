@@ -1,10 +1,12 @@
-"""Megatron-LM's FLOPs formula against hand-computed values."""
+"""Megatron-LM's FLOPs formula against hand-computed values, MoE included; parameter counts
+against the model."""
 
 import pytest
+import torch
 
 from tessera.config import ModelConfig
 from tessera.models.presets import PRESETS
-from tessera.perf.flops import flops_per_iteration, flops_per_token
+from tessera.perf.flops import count_parameters, flops_per_iteration, flops_per_token
 
 
 def test_gpt3_closed_form():
@@ -36,3 +38,75 @@ def test_anchor_configs():
     """shared/anchors/NOTES.md: 8.470 GFLOP/token for config A and 7.490 for B."""
     assert flops_per_token(ModelConfig(**PRESETS["gpt3-1.3b"])) / 1e9 == pytest.approx(8.470, abs=5e-4)
     assert flops_per_token(ModelConfig(**PRESETS["llama-1.2b"])) / 1e9 == pytest.approx(7.490, abs=5e-4)
+
+
+def megatron_flops(batch, s, layers, h, heads, kv_channels, groups, ffn, vocab, swiglu,
+                   moe_ffn=0, topk=0, shared_ffn=0, moe_pattern=None):
+    """Megatron's num_floating_point_operations, re-derived from shared/reference/moe.md section 2:
+    N 3*2*H [F f n_dense + (I k f + I_shared f) n_moe] for the MLPs, 3*2 [H (q + 2 kv) + q H]
+    per layer for the projections, 3*2 H V for the logits (N = B s tokens), and the causal core
+    attention 3*2 q/2*2 per layer times B s^2."""
+    f = 3 if swiglu else 2
+    moe_pattern = moe_pattern or [False] * layers
+    n_moe = sum(moe_pattern)
+    tokens, q, kv = batch * s, heads * kv_channels, groups * kv_channels
+    mlp = 3 * 2 * h * (ffn * f * (layers - n_moe) + (moe_ffn * topk * f + shared_ffn * f) * n_moe)
+    projections = layers * 3 * 2 * (h * (q + 2 * kv) + q * h)
+    logits = 3 * 2 * h * vocab
+    core = layers * 3 * 2 * q / 2 * 2
+    return tokens * (mlp + projections + logits) + batch * s * s * core
+
+
+def test_mixtral_8x7b_matches_megatron():
+    config = ModelConfig(**PRESETS["mixtral-8x7b"])
+    expected = megatron_flops(256, 4096, 32, 4096, 32, 128, 8, 14336, 32000, True, moe_ffn=14336, topk=2,
+                              moe_pattern=[True] * 32)
+    assert flops_per_iteration(config, 256) == pytest.approx(expected, rel=1e-12)
+
+
+def test_qwen3_30b_a3b_matches_megatron():
+    config = ModelConfig(**PRESETS["qwen3-30b-a3b"])
+    expected = megatron_flops(64, 4096, 48, 2048, 32, 128, 4, 6144, 151936, True, moe_ffn=768, topk=8,
+                              moe_pattern=[True] * 48)
+    assert flops_per_iteration(config, 64) == pytest.approx(expected, rel=1e-12)
+
+
+def test_dense_prefix_and_shared_expert_match_megatron():
+    # Two dense layers, then MoE layers with a gated shared expert (the shared gate and the
+    # router are not counted); GeLU, so f = 2.
+    config = ModelConfig(num_layers=6, hidden_size=512, num_attention_heads=8, group_query_attention=True,
+                         num_query_groups=2, ffn_hidden_size=2048, seq_length=1024, vocab_size=1000,
+                         disable_bias_linear=True, num_experts=16, moe_router_topk=4, moe_ffn_hidden_size=256,
+                         moe_shared_expert_intermediate_size=1024, moe_shared_expert_gate=True,
+                         moe_layer_freq="([0]*2+[1]*4)")
+    pattern = [False, False, True, True, True, True]
+    expected = megatron_flops(8, 1024, 6, 512, 8, 64, 2, 2048, 1024, False, moe_ffn=256, topk=4, shared_ffn=1024,
+                              moe_pattern=pattern)
+    assert flops_per_iteration(config, 8) == pytest.approx(expected, rel=1e-12)
+
+
+def test_moe_parameters_are_those_of_the_model_built_on_meta():
+    """count_parameters against GPTModel itself: a dense first layer, gated shared experts, QK
+    norm, untied output layer; active = total minus the E - k unused experts of each MoE layer."""
+    from tessera.models.gpt import GPTModel
+
+    config = ModelConfig(**{**PRESETS["tiny-moe"], "qk_layernorm": True, "moe_shared_expert_gate": True,
+                            "untie_embeddings_and_output_weights": True})
+    with torch.device("meta"):
+        model = GPTModel(config)
+    counted = count_parameters(config)
+    assert counted.total == sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    assert counted.inactive == experts * (4 - 2) // 4
+    assert counted.active == counted.total - counted.inactive
+
+
+def test_published_moe_sizes():
+    """Total and active parameters as their model cards give them (B = 1e9, to 0.1 B: rounded
+    or truncated; Qwen3-30B-A3B's 3.35 B active is given as 3.3)."""
+    for name, total, active in [("mixtral-8x7b", 46.7, 12.9), ("mixtral-8x22b", 140.6, 39.2),
+                                ("qwen1.5-moe-a2.7b", 14.3, 2.7), ("qwen3-30b-a3b", 30.5, 3.3),
+                                ("qwen3-235b-a22b", 235.1, 22.2)]:
+        params = count_parameters(ModelConfig(**PRESETS[name]))
+        assert params.total / 1e9 == pytest.approx(total, abs=0.06), name
+        assert params.active / 1e9 == pytest.approx(active, abs=0.06), name

@@ -53,7 +53,7 @@ def test_parameters_and_18_bytes_each_on_one_gpu():
     # Per layer: QKV and projection 4h^2 + 4h, MLP 8h^2 + 5h, two LayerNorms 4h.
     per_layer = 12 * H * H + 13 * H
     total = L * per_layer + 2 * H + 1024 * H + S * H   # final norm, padded vocab 1024, positions
-    assert stage_parameters(model, Layout(), 1024, 0) == total
+    assert stage_parameters(model, Layout(), 1024, 0).total == total
     memory = estimate_memory(model, Layout(micro_batch_size=B), 4, S)
     assert memory.weights + memory.gradients + memory.optimizer == pytest.approx(18 * total)
 
@@ -63,8 +63,8 @@ def test_each_pipeline_rank_is_counted_with_its_own_layers():
     # holds 3 of 3 layers and is the fullest; an even split would make rank 0 the fullest.
     model, layout = gpt(), Layout(pp=4, micro_batch_size=B, first_stage_layers=1, last_stage_layers=1)
     per_layer = 12 * H * H + 13 * H
-    assert stage_parameters(model, layout, 1024, 1) == 3 * per_layer
-    assert stage_parameters(model, layout, 1024, 3) == per_layer + 2 * H + 1024 * H  # final norm, output layer
+    assert stage_parameters(model, layout, 1024, 1).total == 3 * per_layer
+    assert stage_parameters(model, layout, 1024, 3).total == per_layer + 2 * H + 1024 * H  # final norm, output layer
     memory = estimate_memory(model, layout, 8, S)
     assert memory.stage == "pipeline rank 1 of 4"
     assert memory.activations == pytest.approx(3 * 3 * layer_activation_bytes(model, layout, S))
@@ -130,3 +130,73 @@ def test_tessera_layer_activations_are_what_autograd_saves(preset, compiled):
         block(x, rope)
     layout = Layout(micro_batch_size=b, compiled=compiled, framework="tessera")
     assert sum(saved.values()) == pytest.approx(layer_activation_bytes(config.model, layout, s), rel=0.005)
+
+
+def mixtral():
+    from tessera.models.presets import preset_values
+
+    return ModelConfig(**preset_values("mixtral-8x7b"))
+
+
+def test_expert_parallelism_divides_the_experts_and_the_optimizer_shards_them_over_their_replicas():
+    # Mixtral 8x7B, PP4: 8 layers per rank, each with 8 experts of 3 x 4096 x 14336 weights.
+    model, experts = mixtral(), 8 * 8 * 3 * 4096 * 14336
+    for ep in (1, 2, 4, 8):
+        layout = Layout(pp=4, dp=16, ep=ep, distributed_optimizer=True)
+        assert stage_parameters(model, layout, 32000, 1).experts == experts / ep
+        # bf16 weights and fp32 gradients of this rank's experts; master + Adam over EDP = 16 / EP.
+        memory = estimate_memory(model, layout, 64, 4096)
+        assert memory.expert_state == pytest.approx(6 * experts / ep + 12 * experts / ep / (16 // ep))
+    plain = [estimate_memory(model, Layout(pp=4, dp=16, ep=ep), 64, 4096).expert_state for ep in (1, 8)]
+    assert plain[0] == pytest.approx(8 * plain[1]) and plain[1] == pytest.approx(18 * experts / 8)
+    # Expert TP slices every expert too.
+    etp = Layout(tp=2, pp=4, dp=8, ep=4, etp=2, sequence_parallel=True)
+    assert stage_parameters(model, etp, 32000, 1).experts == experts / 8
+
+
+def test_a_dense_first_layer_stays_on_its_pipeline_rank():
+    # tiny-moe: layer 0 dense, layers 1-3 MoE; two ranks hold layers 0-1 and 2-3.
+    from tessera.models.presets import preset_values
+    from tessera.perf.flops import layer_parameters
+
+    model = ModelConfig(**preset_values("tiny-moe"))
+    dense, moe = layer_parameters(model)[:2]
+    assert dense.experts == 0 and moe.experts == 4 * 3 * 64 * 48
+    layout = Layout(pp=2, dp=2, ep=2)
+    first, last = (stage_parameters(model, layout, 256, rank) for rank in (0, 1))
+    assert first.experts == moe.experts / 2 and last.experts == moe.experts
+    assert first.dense == dense.dense + moe.dense + 256 * 64
+    assert last.dense == 2 * moe.dense + 64 + 256 * 64   # final norm, the tied output layer's copy
+
+
+def test_moe_layer_activations_are_what_autograd_saves():
+    """As test_tessera_layer_activations_are_what_autograd_saves, for a compiled tessera MoE block:
+    attention, a shared expert, 4 experts (top-2, grouped GEMMs, fp32 router) on one process."""
+    from tessera.cli.args import parse_run_config
+    from tessera.models.gpt import GPTModel
+
+    b, s, h = 2, 96, 320
+    config, _ = parse_run_config(["--model", "tiny-moe", "--num-layers", "1", "--moe-layer-freq", "1",
+                                  "--hidden-size", str(h), "--num-attention-heads", "4", "--num-query-groups", "4",
+                                  "--moe-ffn-hidden-size", "448", "--moe-shared-expert-intermediate-size", "256",
+                                  "--moe-grouped-gemm", "--moe-router-dtype", "fp32", "--seq-length", str(s),
+                                  "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "1e-3",
+                                  "--train-iters", "1", "--mock-data"], "test")
+    model = GPTModel(config.model)
+    block = model.layers[0]
+    block.compile()
+    weight_shapes = {shape for p in block.parameters()
+                     for shape in (tuple(p.shape), tuple(p.shape[::-1]), (*p.shape[:-2], *p.shape[-2:][::-1]))}
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if tuple(tensor.shape) not in weight_shapes:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    x = torch.randn(b, s, h, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x, model.rotary(s, None))
+    layout = Layout(micro_batch_size=b, compiled=True, framework="tessera")
+    assert sum(saved.values()) == pytest.approx(layer_activation_bytes(config.model, layout, s, moe=True), rel=0.02)

@@ -75,3 +75,44 @@ def test_errors_are_one_line_naming_the_flag(capsys):
     with pytest.raises(SystemExit):
         plan.main(["--model", "llama3-8b", "--explain", "--tensor-model-parallel-size", "5"])
     assert "--tensor-model-parallel-size" in capsys.readouterr().err
+
+
+def test_mixtral_8x7b_on_64_gpus_fits_with_expert_parallelism(capsys):
+    best = run_json(capsys, "--model", "mixtral-8x7b", "--gpus", "64", "--top", "1")[0]
+    layout = best["layout"]
+    assert best["fits"] and layout["ep"] > 1   # within 80 GB
+    assert 0.2 < best["mfu"] < 0.6 and best["time_s"]["expert_gemm"] > best["time_s"]["gemm"]
+    assert best["tokens_per_sec"] * best["step_time_s"] == pytest.approx(256 * 4096)   # ~1M tokens by default
+    parse_run_config(["--model", "mixtral-8x7b", "--mock-data", "--lr", "1e-4", "--train-iters", "1",
+                      "--global-batch-size", "256", *layout["flags"]], "test", world_size=64)
+
+
+def test_mixtral_8x22b_on_256_gpus_in_tp4_pp4_ep8(capsys):
+    common = ["--model", "mixtral-8x22b", "--gpus", "256", "--tensor-model-parallel-size", "4",
+              "--pipeline-model-parallel-size", "4", "--expert-model-parallel-size", "8"]
+    searched = run_json(capsys, *common, "--top", "1")[0]
+    held = searched["layout"]
+    assert searched["fits"] and (held["tp"], held["pp"], held["ep"]) == (4, 4, 8)
+    explain = [*common, "--explain", "--global-batch-size", "256", "--sequence-parallel", "--use-distributed-optimizer"]
+    explained = run_json(capsys, *explain)[0]
+    assert explained["layout"]["dp"] == 16 and explained["layout"]["etp"] is None   # expert-TP = TP, as in Megatron
+    assert explained["fits"] and explained["step_time_s"] > searched["step_time_s"]
+    # EP 8 x ETP 4 spans four nodes; expert-TP 1 keeps the EP group in one node: less to send,
+    # but each GPU holds its expert whole.
+    narrow = run_json(capsys, *explain, "--expert-tensor-parallel-size", "1")[0]
+    assert narrow["time_s"]["ep_comm"] < explained["time_s"]["ep_comm"]
+    assert narrow["expert_state_gib"] > explained["expert_state_gib"]
+
+
+def test_an_impossible_expert_layout_is_refused_naming_the_flag(capsys):
+    for gpus, flags, named in [("96", ["--expert-model-parallel-size", "3"], "--num-experts (8) must be divisible"),
+                               ("4", ["--expert-model-parallel-size", "8"], "--expert-model-parallel-size (8) x"),
+                               ("96", ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "3"],
+                                "--moe-ffn-hidden-size"),
+                               ("8", ["--tensor-model-parallel-size", "2"], "--sequence-parallel")]:
+        with pytest.raises(SystemExit):
+            plan.main(["--model", "mixtral-8x7b", "--gpus", gpus, "--explain", *flags])
+        assert named in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        plan.main(["--model", "llama3-8b", "--explain", "--expert-model-parallel-size", "2"])
+    assert "--num-experts" in capsys.readouterr().err

@@ -68,3 +68,28 @@ def test_long_sequences_bring_context_parallelism_into_play():
     model = preset("llama3-8b", 32768)
     assert any(layout.cp > 1 for layout in candidates(model, 16, 8, 16, 32768))
     assert all(layout.cp == 1 for layout in candidates(preset("llama3-8b", 4096), 16, 8, 16, 4096))
+
+
+@pytest.mark.parametrize("layout, flag", [
+    (Layout(dp=6, ep=3), "--num-experts"),                                  # 8 experts over 3 ranks
+    (Layout(dp=4, ep=8), "--expert-model-parallel-size"),                   # EP 8 cannot fold into 4 ranks
+    (Layout(tp=2, dp=4, ep=8, sequence_parallel=True), "--expert-model-parallel-size"),  # x ETP 2: 16 > 8
+    (Layout(dp=6, ep=2, etp=3), "--moe-ffn-hidden-size"),                  # 14336 / 3
+    (Layout(tp=2, dp=4, ep=4), "--sequence-parallel"),
+    (Layout(dp=8, ep=2, moe_dispatcher="flex"), "--moe-token-dispatcher-type"),
+])
+def test_unrunnable_moe_layouts_are_rejected_naming_the_flag(layout, flag):
+    with pytest.raises(ConfigError, match=flag):
+        check_layout(preset("mixtral-8x7b", 4096), layout, global_batch_size=48, seq_length=4096)
+
+
+def test_the_search_folds_expert_parallelism_into_the_stage():
+    model = preset("mixtral-8x7b", 4096)
+    layouts = candidates(model, 16, 8, 64, 4096, SearchSpace(pp=(1,), micro_batch_size=(1,)))
+    assert {layout.ep for layout in layouts} == {1, 2, 4, 8}
+    for layout in layouts:
+        assert (layout.tp * layout.dp) % (layout.ep * layout.expert_tp) == 0
+        assert layout.distributed_optimizer == (layout.edp > 1 or layout.dp > 1)
+    assert {layout.expert_tp for layout in layouts if layout.tp == 4} == {1, 4}
+    assert {layout.moe_dispatcher for layout in layouts if layout.ep > 1} == {"allgather", "alltoall"}
+    assert {layout.ep for layout in candidates(preset("llama3-8b", 4096), 16, 8, 64, 4096)} == {1}

@@ -121,3 +121,68 @@ def test_full_recompute_costs_one_more_forward():
     layers_forward = 2 * S * (2 * L * 12 * H * H + L * 2 * S * H) / PEAK
     assert full.step_time - plain.step_time == pytest.approx(layers_forward, rel=1e-6)
     assert full.mfu < plain.mfu
+
+
+def moe_gpt(experts=4):
+    # GeLU experts (2 GEMMs of h x f each), top-2, bf16 router, no biases.
+    return gpt(disable_bias_linear=True, num_experts=experts, moe_router_topk=2, moe_ffn_hidden_size=2048,
+               moe_grouped_gemm=True)
+
+
+def test_one_ideal_gpu_runs_a_moe_model_at_its_real_flops():
+    # Per token and MoE layer: k = 2 experts of 2 x h x f, and the router's h x E GEMM, which the
+    # time counts and Megatron's FLOPs (for MFU) do not.
+    batch, k, f, experts = 4, 2, 2048, 4
+    prediction = predict(moe_gpt(), Layout(micro_batch_size=2), IDEAL, IDEAL_CURVES, batch, S)
+    attention_and_logits = 6 * (L * 4 * H * H + H * V) + L * 3.5 * 2 * S * H
+    experts_and_router = 6 * L * (k * 2 * H * f + H * experts)
+    expected = batch * S * (attention_and_logits + experts_and_router) / PEAK
+    assert prediction.step_time == pytest.approx(expected, rel=1e-6)
+    counted = batch * S * (6 * (L * (4 * H * H + k * 2 * H * f) + H * V) + 6 * L * S * H)
+    assert prediction.model_flops == pytest.approx(counted)
+
+
+def test_all_to_all_by_hand():
+    dgx = CLUSTERS["dgx-h100"]
+    size = 1e9
+    # Eight ranks of a node: each sends 7/8 of its bytes over NVLink.
+    assert dgx.all_to_all(size, 8, 8) == pytest.approx(7 * 3e-6 + 7 / 8 * size / (450e9 * 0.8))
+    # Two nodes: half of the bytes leave the node through each GPU's own NIC, the slower part.
+    assert dgx.all_to_all(size, 16, 8) == pytest.approx((7 * 3 + 8) * 1e-6 + 8 / 16 * size / (50e9 * 0.8))
+    assert dgx.ranks_per_node(8, stride=2) == 4 and dgx.ranks_per_node(4, stride=16) == 1
+
+
+def test_token_dispatch_runs_on_nvlink_inside_a_node_and_on_the_network_beyond():
+    from tessera.perf.kernels import load_curves
+    from tessera.perf.moe import dispatch_seconds
+    from tessera.perf.simulator import StepModel
+
+    dgx, model = CLUSTERS["dgx-h100"], moe_gpt(experts=8)
+    steps, tokens, h, k = StepModel(model, dgx, load_curves(gpu_name="H100"), S), 2048.0, H, 2
+    inside = Layout(dp=8, ep=8, moe_dispatcher="alltoall")
+    rows = tokens * k
+    a2a = 2 * dgx.all_to_all(rows * 2 * h, 8, 8) + dgx.all_to_all(rows * 4, 8, 8)
+    assert dispatch_seconds(steps, inside, tokens) == pytest.approx((a2a + dgx.all_gather(8 * 8 * 8, 8, 8), a2a))
+    # Expert TP 2 first gathers over its pair, then the 8 EP ranks (stride 2) span two nodes.
+    spread = Layout(tp=2, dp=8, ep=8, sequence_parallel=True, moe_dispatcher="alltoall")
+    rows = 2 * tokens * k
+    etp = dgx.all_gather(2 * tokens * (2 * h + 20 * k), 2, 2) + dgx.reduce_scatter(2 * tokens * 2 * h, 2, 2)
+    a2a = 2 * dgx.all_to_all(rows * 2 * h, 8, 4) + dgx.all_to_all(rows * 4, 8, 4)
+    assert dispatch_seconds(steps, spread, tokens)[1] == pytest.approx(etp + a2a)
+    # allgather: the whole EP x ETP group's tokens, then a reduce-scatter of the outputs.
+    gathered = Layout(dp=8, ep=8)
+    both = dgx.all_gather(8 * tokens * (2 * h + 20 * k), 8, 8) + dgx.reduce_scatter(8 * tokens * 2 * h, 8, 8)
+    assert dispatch_seconds(steps, gathered, tokens) == pytest.approx((both, both))
+
+
+def test_expert_gradients_are_reduced_over_expert_data_parallelism():
+    from tessera.perf.memory import stage_parameters
+
+    dgx, model = CLUSTERS["dgx-h100"], moe_gpt(experts=8)
+    layout = Layout(dp=16, ep=8, distributed_optimizer=True, overlap_grad_reduce=False, overlap_param_gather=False)
+    params = stage_parameters(model, layout, V, 0)
+    assert params.experts == L * 8 * 2 * H * 2048 / 8
+    # Dense parameters over DP 16 (two nodes); each expert over its 2 replicas, 8 ranks apart (one per node).
+    expected = dgx.reduce_scatter(4 * params.dense, 16, 8) + dgx.reduce_scatter(4 * params.experts, 2, 1) + \
+        dgx.all_gather(2 * params.dense, 16, 8) + dgx.all_gather(2 * params.experts, 2, 1)
+    assert predict(model, layout, dgx, PROVISIONAL, 16, S).breakdown["dp_comm"] == pytest.approx(expected)

@@ -110,3 +110,17 @@ def test_compiled_blocks_train_like_eager():
     eager = losses(*flags, "--no-compile")
     compiled = losses(*flags, "--compile")
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=0)
+
+
+def test_distributed_optimizer_on_one_process_reads_autograds_gradients():
+    """With one micro-batch and nothing to reduce the distributed optimizer keeps no gradient
+    buffer; it must still take the plain optimizer's steps (fp32: the same AdamW maths)."""
+    flags = ("--train-iters", "4", "--hidden-dropout", "0", "--attention-dropout", "0", "--global-batch-size", "2")
+    plain = Trainer(run_config(*flags))
+    sharded = Trainer(run_config(*flags, "--use-distributed-optimizer"))
+    expected, history = plain.train(), sharded.train()
+    assert not sharded.optimizer.buffers[0].stored
+    torch.testing.assert_close([(r.loss, r.grad_norm) for r in history], [(r.loss, r.grad_norm) for r in expected],
+                               rtol=1e-6, atol=0)
+    for a, b in zip(plain.model.parameters(), sharded.model.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)

@@ -1,0 +1,150 @@
+"""ModelConfig: the architecture of a decoder-only transformer, dense or Mixture-of-Experts."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tessera.config.fields import flag, option, positive, require
+from tessera.config.moe import LOAD_BALANCING_TYPES, check_moe, parse_layer_pattern
+
+MOE = "mixture of experts"   # the --help heading of the MoE flags
+
+@dataclass
+class ModelConfig:
+    """Architecture of a decoder-only transformer (GPT-2/3, LLaMA, Qwen, Mistral; Mixtral, Qwen-MoE)."""
+
+    num_layers: int = option(None, "number of transformer blocks", required=True)
+    hidden_size: int = option(None, "width of the residual stream", required=True)
+    ffn_hidden_size: int | None = option(None, "MLP inner width (default 4*hidden, or 8/3*hidden rounded down to 64 with --swiglu)")
+    num_attention_heads: int = option(None, "attention heads", required=True)
+    group_query_attention: bool = option(False, "use grouped-query attention (with --num-query-groups)")
+    num_query_groups: int | None = option(None, "key/value heads under --group-query-attention")
+    kv_channels: int | None = option(None, "head dimension (default hidden/heads)")
+    seq_length: int = option(None, "training sequence length", required=True)
+    max_position_embeddings: int | None = option(None, "size of the learned position table (default --seq-length)")
+    vocab_size: int | None = option(None, "tokenizer vocabulary size (padded, see --make-vocab-size-divisible-by)")
+    make_vocab_size_divisible_by: int = option(128, "pad the vocabulary to a multiple of this (times the TP size)")
+    position_embedding_type: str = option("learned_absolute", "position encoding", ("learned_absolute", "rope", "none"))
+    rotary_base: float = option(10000.0, "RoPE base (theta)")
+    rotary_percent: float = option(1.0, "fraction of each head dimension that RoPE rotates")
+    normalization: str = option("LayerNorm", "normalization layer", ("LayerNorm", "RMSNorm"))
+    norm_epsilon: float = option(1e-5, "epsilon of the normalization layers")
+    swiglu: bool = option(False, "gated SiLU MLP (LLaMA) instead of GeLU")
+    openai_gelu: bool = option(False, "tanh approximation of GeLU (GPT-2's gelu_new) instead of the exact erf form")
+    disable_bias_linear: bool = option(False, "no biases in linear layers")
+    add_qkv_bias: bool = option(False, "biases on the QKV projection even with --disable-bias-linear (Qwen)")
+    untie_embeddings_and_output_weights: bool = option(False, "separate output layer instead of the input embedding")
+    hidden_dropout: float = option(0.1, "dropout on the residual branches")
+    attention_dropout: float = option(0.1, "dropout on the attention probabilities")
+    init_method_std: float = option(0.02, "std of the normal initialisation (output projections are scaled by 1/sqrt(2*layers))")
+    qk_layernorm: bool = option(False, "RMSNorm/LayerNorm on each head's query and key before RoPE (Qwen3)")
+
+    # Mixture of Experts (Megatron-Core's flags; tessera.models.moe). Dense without --num-experts.
+    num_experts: int | None = option(None, "routed experts per MoE layer (makes the model a MoE)", group=MOE)
+    moe_ffn_hidden_size: int | None = option(None, "inner width of each routed expert (default --ffn-hidden-size)",
+                                             group=MOE)
+    moe_router_topk: int = option(2, "experts each token is routed to", group=MOE)
+    moe_router_score_function: str = option("softmax", "router score function", ("softmax", "sigmoid"), group=MOE)
+    moe_router_pre_softmax: bool = option(
+        False, "softmax over all experts before the top-k (no renormalisation; Qwen2-MoE), instead of over the k chosen",
+        group=MOE)
+    moe_router_topk_scaling_factor: float | None = option(None, "multiply the routing weights by this (DeepSeek-V3 2.5)",
+                                                          group=MOE)
+    moe_router_num_groups: int | None = option(None, "expert groups for group-limited routing", group=MOE)
+    moe_router_group_topk: int | None = option(None, "groups each token may use (group-limited routing)", group=MOE)
+    moe_router_enable_expert_bias: bool = option(
+        False, "aux-loss-free balancing: a per-expert bias on the scores used for selection (sigmoid)", group=MOE)
+    moe_router_bias_update_rate: float = option(1e-3, "step of the expert bias per optimizer step", group=MOE)
+    moe_router_dtype: str | None = option(None, "dtype of the router's GEMM and scores (default: the input's)",
+                                          ("fp32", "fp64"), group=MOE)
+    moe_router_load_balancing_type: list[str] = option(
+        ["aux_loss"], "load-balancing loss(es)", LOAD_BALANCING_TYPES, group=MOE)
+    moe_aux_loss_coeff: list[float] = option([0.0], "coefficient of each load-balancing loss", group=MOE)
+    moe_z_loss_coeff: float | None = option(None, "coefficient of the router z-loss", group=MOE)
+    moe_expert_capacity_factor: float | None = option(
+        None, "tokens an expert takes, as a multiple of an even share (default: dropless)", group=MOE)
+    moe_token_drop_policy: str = option("probs", "which tokens an expert over capacity keeps",
+                                        ("probs", "position"), group=MOE)
+    moe_pad_expert_input_to_capacity: bool = option(
+        False, "give every expert exactly its capacity of rows (static shapes)", group=MOE)
+    moe_shared_expert_intermediate_size: int | None = option(
+        None, "inner width of the shared expert every token also goes through", group=MOE)
+    moe_shared_expert_gate: bool = option(False, "scale the shared expert's output by sigmoid(x w) (Qwen2-MoE)",
+                                          group=MOE)
+    moe_layer_freq: str = option("1", "MoE layers: every Nth (int) or a 0/1 list expression such as "
+                                 "'([0]*1+[1]*23)'", group=MOE, parse=str)
+    moe_grouped_gemm: bool = option(False, "all local experts in grouped GEMMs instead of a loop over experts",
+                                    group=MOE)
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+            require(getattr(self, name) is not None, f"{flag(name)} is required (or pick --model PRESET)")
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = (
+                int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu else 4 * self.hidden_size
+            )
+        if self.kv_channels is None:
+            require(
+                self.hidden_size % self.num_attention_heads == 0,
+                f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
+                f"({self.num_attention_heads}), or give --kv-channels",
+            )
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if not self.group_query_attention:
+            require(
+                self.num_query_groups in (None, self.num_attention_heads),
+                "--num-query-groups needs --group-query-attention",
+            )
+            self.num_query_groups = self.num_attention_heads
+        require(self.num_query_groups is not None, "--group-query-attention needs --num-query-groups")
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        positive(self, "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                  "num_query_groups", "kv_channels", "seq_length", "max_position_embeddings",
+                  "vocab_size", "make_vocab_size_divisible_by", "norm_epsilon", "init_method_std")
+        require(
+            self.num_attention_heads % self.num_query_groups == 0,
+            f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
+            f"--num-query-groups ({self.num_query_groups})",
+        )
+        if self.position_embedding_type == "learned_absolute":
+            require(
+                self.max_position_embeddings >= self.seq_length,
+                f"--max-position-embeddings ({self.max_position_embeddings}) must be at least "
+                f"--seq-length ({self.seq_length})",
+            )
+        if self.position_embedding_type == "rope":
+            rotary_dim = self.kv_channels * self.rotary_percent
+            require(
+                0 < self.rotary_percent <= 1 and rotary_dim == int(rotary_dim) and int(rotary_dim) % 2 == 0,
+                f"--rotary-percent ({self.rotary_percent}) x --kv-channels ({self.kv_channels}) "
+                "must be a positive even number of channels",
+            )
+        for name in ("hidden_dropout", "attention_dropout"):
+            require(0.0 <= getattr(self, name) < 1.0, f"{flag(name)} must be in [0, 1)")
+        check_moe(self)
+
+    def moe_layers(self) -> list[bool]:
+        """Per layer: is it a MoE layer (all False for a dense model)."""
+        if self.num_experts is None:
+            return [False] * self.num_layers
+        return parse_layer_pattern(self.moe_layer_freq, self.num_layers)
+
+    @property
+    def add_bias_linear(self) -> bool:
+        return not self.disable_bias_linear
+
+    @property
+    def tie_embeddings(self) -> bool:
+        return not self.untie_embeddings_and_output_weights
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.kv_channels * self.rotary_percent)
+
+    def padded_vocab_size(self, tp_size: int = 1) -> int:
+        """Vocabulary padded so that every tensor-parallel shard is a multiple of the divisor."""
+        require(self.vocab_size is not None, "--vocab-size is required (or give a tokenizer / data)")
+        multiple = self.make_vocab_size_divisible_by * tp_size
+        return math.ceil(self.vocab_size / multiple) * multiple

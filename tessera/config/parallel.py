@@ -1,0 +1,83 @@
+"""ParallelConfig: how the model and the batch are split over GPUs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tessera.config.fields import flag, option, positive, require
+
+@dataclass
+class ParallelConfig:
+    """How the model and the batch are split over GPUs; data parallel takes what remains."""
+
+    tensor_model_parallel_size: int = option(1, "tensor-parallel ranks (split each layer's weights)")
+    pipeline_model_parallel_size: int = option(1, "pipeline stages (split the layers)")
+    context_parallel_size: int = option(1, "context-parallel ranks (split the sequence in attention)")
+    expert_model_parallel_size: int = option(1, "expert-parallel ranks (split each MoE layer's experts)")
+    expert_tensor_parallel_size: int | None = option(
+        None, "tensor-parallel ranks inside each expert (default --tensor-model-parallel-size)")
+    moe_token_dispatcher_type: str = option(
+        "allgather", "how tokens reach experts on other ranks (tessera.parallel.experts)", ("allgather", "alltoall"))
+    sequence_parallel: bool = option(False, "shard norms and dropout along the sequence (needs TP > 1)")
+    use_distributed_optimizer: bool = option(False, "shard fp32 master weights and Adam moments over data-parallel ranks (ZeRO-1)")
+    overlap_grad_reduce: bool = option(False, "reduce each gradient bucket during backward, as soon as it is ready")
+    overlap_param_gather: bool = option(False, "all-gather updated parameters during the next forward (distributed optimizer)")
+    use_torch_fsdp2: bool = option(False, "shard parameters, gradients and optimizer state with PyTorch FSDP2 (ZeRO-3)")
+    ddp_bucket_size: int | None = option(None, "elements per gradient bucket (default max(40M, 1M x DP))")
+    accumulate_allreduce_grads_in_fp32: bool = option(False, "with --bf16, reduce gradients in fp32 (default: bf16 on the wire)")
+    virtual_pipeline_model_parallel_size: int | None = option(None, "model chunks per pipeline rank (interleaved 1F1B)")
+    num_layers_per_virtual_pipeline_stage: int | None = option(None, "layers per model chunk (interleaved 1F1B; instead of --virtual-pipeline-model-parallel-size)")
+    decoder_first_pipeline_num_layers: int | None = option(None, "layers on the first pipeline stage (the others split the rest evenly)")
+    decoder_last_pipeline_num_layers: int | None = option(None, "layers on the last pipeline stage (the others split the rest evenly)")
+    pipeline_schedule: str = option("1f1b", "pipeline schedule (1f1b interleaves with virtual stages)", ("1f1b", "gpipe"))
+    print_schedule: bool = option(
+        False, "print every pipeline rank's schedule and exit (without torchrun: WORLD_SIZE=N tessera train ...)")
+
+    def __post_init__(self) -> None:
+        positive(self, "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                  "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
+                  "ddp_bucket_size")
+        require(not (self.use_distributed_optimizer and self.use_torch_fsdp2),
+                 "--use-distributed-optimizer and --use-torch-fsdp2 are exclusive (FSDP2 already shards the optimizer)")
+        require(not self.overlap_param_gather or self.use_distributed_optimizer,
+                 "--overlap-param-gather needs --use-distributed-optimizer")
+        positive(self, "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+                  "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+        require(self.virtual_pipeline_model_parallel_size is None or self.num_layers_per_virtual_pipeline_stage is None,
+                 "give --virtual-pipeline-model-parallel-size or --num-layers-per-virtual-pipeline-stage, not both")
+        pipeline_flags = ("virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+                          "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+        for name in pipeline_flags:
+            require(getattr(self, name) is None or self.pipeline_model_parallel_size > 1,
+                     f"{flag(name)} needs --pipeline-model-parallel-size > 1")
+        require(not (self.use_torch_fsdp2 and self.pipeline_model_parallel_size > 1),
+                 "--use-torch-fsdp2 with --pipeline-model-parallel-size > 1 is not supported")
+
+    def virtual_pipeline_size(self, num_layers: int) -> int:
+        """Model chunks per pipeline rank (1 without interleaving)."""
+        per_chunk = self.num_layers_per_virtual_pipeline_stage
+        if per_chunk is None:
+            return self.virtual_pipeline_model_parallel_size or 1
+        pp = self.pipeline_model_parallel_size
+        require(num_layers % (pp * per_chunk) == 0,
+                 f"--num-layers ({num_layers}) must be divisible by --pipeline-model-parallel-size ({pp}) x "
+                 f"--num-layers-per-virtual-pipeline-stage ({per_chunk})")
+        return num_layers // (pp * per_chunk)
+
+    @property
+    def expert_tensor_size(self) -> int:
+        """--expert-tensor-parallel-size, defaulting to --tensor-model-parallel-size as in Megatron."""
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+
+    def data_parallel_size(self, world_size: int) -> int:
+        require(
+            world_size % self.model_parallel_size == 0,
+            f"world size ({world_size}) must be divisible by --tensor-model-parallel-size "
+            f"({self.tensor_model_parallel_size}) x --pipeline-model-parallel-size "
+            f"({self.pipeline_model_parallel_size}) x --context-parallel-size ({self.context_parallel_size})",
+        )
+        return world_size // self.model_parallel_size

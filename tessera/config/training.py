@@ -1,0 +1,116 @@
+"""The sections of a run beside the model: optimizer, training loop, checkpoints."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tessera.config.fields import flag, option, positive, require
+
+@dataclass
+class OptimConfig:
+    """AdamW, learning-rate schedule and gradient clipping."""
+
+    optimizer: str = option("adam", "optimizer (AdamW semantics)", ("adam",))
+    lr: float = option(None, "peak learning rate", required=True)
+    min_lr: float = option(0.0, "learning rate at the end of decay")
+    lr_decay_style: str = option("linear", "learning-rate decay", ("constant", "linear", "cosine", "inverse-square-root", "WSD"))
+    lr_decay_iters: int | None = option(None, "iterations over which to decay (default --train-iters)")
+    lr_warmup_iters: int = option(0, "linear warmup iterations")
+    lr_warmup_fraction: float | None = option(None, "warmup as a fraction of --lr-decay-iters (instead of --lr-warmup-iters)")
+    lr_warmup_init: float = option(0.0, "learning rate at the start of warmup")
+    lr_wsd_decay_style: str = option("exponential", "shape of the WSD decay phase", ("exponential", "linear", "cosine", "minus_sqrt"))
+    lr_wsd_decay_iters: int | None = option(None, "length of the WSD decay phase at the end of --lr-decay-iters")
+    weight_decay: float = option(0.01, "decoupled weight decay (not applied to norms and biases)")
+    adam_beta1: float = option(0.9, "Adam beta1")
+    adam_beta2: float = option(0.999, "Adam beta2")
+    adam_eps: float = option(1e-8, "Adam epsilon")
+    clip_grad: float = option(1.0, "clip the global gradient norm to this (0 disables)")
+
+    def __post_init__(self) -> None:
+        require(self.lr is not None, "--lr is required")
+        require(self.lr >= 0 and self.min_lr >= 0, "--lr and --min-lr must be >= 0")
+        require(self.min_lr <= self.lr, f"--min-lr ({self.min_lr}) must not exceed --lr ({self.lr})")
+        require(self.lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0")
+        if self.lr_warmup_fraction is not None:
+            require(self.lr_warmup_iters == 0, "give --lr-warmup-fraction or --lr-warmup-iters, not both")
+            require(0 <= self.lr_warmup_fraction <= 1, "--lr-warmup-fraction must be in [0, 1]")
+        for name in ("adam_beta1", "adam_beta2"):
+            require(0 <= getattr(self, name) < 1, f"{flag(name)} must be in [0, 1)")
+        positive(self, "adam_eps", "lr_decay_iters", "lr_wsd_decay_iters")
+        require(self.weight_decay >= 0 and self.clip_grad >= 0, "--weight-decay and --clip-grad must be >= 0")
+        if self.lr_decay_style == "WSD":
+            require(self.lr_wsd_decay_iters is not None, "--lr-decay-style WSD needs --lr-wsd-decay-iters")
+
+
+@dataclass
+class TrainConfig:
+    """Batch, length of the run, precision, recompute, logging."""
+
+    micro_batch_size: int = option(1, "sequences per micro-batch per data-parallel rank")
+    global_batch_size: int | None = option(None, "sequences per iteration over all ranks (default micro x DP)")
+    train_iters: int = option(None, "iterations to train", required=True)
+    seed: int = option(1234, "random seed (initialisation, dropout, data order)")
+    bf16: bool = option(False, "bf16 mixed precision (fp32 master weights)")
+    fp16: bool = option(False, "fp16 mixed precision with loss scaling")
+    loss_scale: float | None = option(None, "static fp16 loss scale (default: dynamic)")
+    initial_loss_scale: float = option(2.0**32, "first dynamic loss scale")
+    min_loss_scale: float = option(1.0, "smallest dynamic loss scale")
+    loss_scale_window: int = option(1000, "iterations without overflow before the scale doubles")
+    hysteresis: int = option(2, "overflows tolerated before the scale halves")
+    recompute_granularity: str | None = option(None, "activation recomputation", ("full", "selective"))
+    recompute_method: str | None = option(None, "which layers --recompute-granularity full recomputes", ("uniform", "block"))
+    recompute_num_layers: int | None = option(None, "layers per recompute chunk (uniform) or recomputed layers (block)")
+    attention_backend: str = option("auto", "SDPA kernel preference", ("auto", "flash", "cudnn", "efficient", "math"))
+    compile: bool | None = option(None, "torch.compile each block (default: on for CUDA, off on CPU)")
+    device: str = option("auto", "where to train", ("auto", "cpu", "cuda"))
+    log_interval: int = option(10, "iterations between log lines")
+    log_json: str | None = option(None, "append one JSON object per logged iteration to this file")
+    moe_per_layer_logging: bool = option(False, "log each MoE layer's load-balancing losses and load imbalance")
+    tensorboard_dir: str | None = option(None, "write TensorBoard scalars here")
+    eval_interval: int | None = option(None, "iterations between evaluations (default: never)")
+    eval_iters: int = option(10, "batches per evaluation")
+    exit_interval: int | None = option(None, "stop after the iteration divisible by this")
+    exit_duration_in_mins: float | None = option(None, "stop (saving a checkpoint with --save) after this many minutes")
+    exit_signal_handler: bool = option(False, "on SIGTERM, save a checkpoint at the end of the iteration and exit 0")
+    check_for_nan_in_loss_and_grad: bool | None = option(
+        None, "stop before applying an update whose loss or gradients hold NaN/Inf [default: on]")
+    peak_tflops: float | None = option(None, "GPU peak TFLOP/s for MFU (default: detected from the device name)")
+
+    def __post_init__(self) -> None:
+        require(self.train_iters is not None, "--train-iters is required")
+        positive(self, "micro_batch_size", "global_batch_size", "train_iters", "log_interval",
+                  "eval_interval", "eval_iters", "exit_interval", "loss_scale_window", "hysteresis",
+                  "peak_tflops", "loss_scale", "initial_loss_scale", "min_loss_scale")
+        require(not (self.bf16 and self.fp16), "--bf16 and --fp16 are exclusive")
+        positive(self, "exit_duration_in_mins")
+        if self.check_for_nan_in_loss_and_grad is None:
+            self.check_for_nan_in_loss_and_grad = True
+        if self.recompute_granularity == "full":
+            require(self.recompute_method is not None, "--recompute-granularity full needs --recompute-method")
+            require(self.recompute_num_layers is not None and self.recompute_num_layers > 0,
+                     "--recompute-granularity full needs a positive --recompute-num-layers")
+        else:
+            require(self.recompute_method is None,
+                     "--recompute-method needs --recompute-granularity full")
+
+    @property
+    def dtype_name(self) -> str:
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving and resuming (tessera.training.checkpoint)."""
+
+    save: str | None = option(None, "directory to save checkpoints to")
+    save_interval: int | None = option(None, "iterations between checkpoints (and one at the end of the run)")
+    load: str | None = option(None, "directory to resume from (its newest complete checkpoint)")
+    no_load_optim: bool = option(False, "do not load the optimizer state (Adam moments) from --load")
+    no_load_rng: bool = option(False, "do not load the random-number-generator states from --load")
+    finetune: bool = option(False, "load only the weights from --load and start at iteration 0")
+    async_save: bool = option(False, "write checkpoints in the background while training continues")
+    keep_last: int | None = option(None, "keep only this many newest checkpoints in --save")
+
+    def __post_init__(self) -> None:
+        positive(self, "save_interval", "keep_last")
+        require(self.save_interval is None or self.save is not None, "--save-interval needs --save")

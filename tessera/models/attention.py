@@ -1,0 +1,86 @@
+"""Causal self-attention: fused QKV projection, GQA/MQA, optional per-head QK norm, RoPE, SDPA.
+
+Heads and KV groups are split over tensor-parallel ranks (KV groups replicated when there
+are fewer groups than ranks); under sequence parallelism the input is a sequence shard
+and the QKV projection all-gathers it.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.config import ConfigError, ModelConfig
+from tessera.models.norm import build_norm
+from tessera.models.rope import apply_rotary
+from tessera.parallel.random import DropoutRNG, checkpoint
+from tessera.parallel.sharding import rank_and_size
+from tessera.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+
+
+class Attention(nn.Module):
+    """Causal self-attention with fused QKV projection, GQA/MQA and SDPA kernels."""
+
+    def __init__(self, config: ModelConfig, output_std: float, *, tp_group=None, sequence_parallel: bool = False,
+                 rng: DropoutRNG | None = None, recompute_core: bool = False):
+        super().__init__()
+        _, tp_size = rank_and_size(tp_group)
+        heads, groups = config.num_attention_heads, config.num_query_groups
+        if heads % tp_size or (groups % tp_size and tp_size % groups):
+            raise ConfigError(f"--num-attention-heads ({heads}) must be divisible by --tensor-model-parallel-size "
+                              f"({tp_size}), and --num-query-groups ({groups}) must divide or be divisible by it")
+        self.head_dim = config.kv_channels
+        self.num_heads = heads // tp_size
+        self.num_groups = max(groups // tp_size, 1)  # one replicated group when groups < TP ranks
+        self.dropout = config.attention_dropout
+        self.rng = rng  # attention probabilities of this rank's heads: a dropout mask of their own
+        self.recompute_core = recompute_core
+        q, kv = heads * self.head_dim, groups * self.head_dim
+        kv_splits = min(groups, tp_size)
+        self.qkv = ColumnParallelLinear(
+            config.hidden_size, q + 2 * kv, bias=config.add_bias_linear or config.add_qkv_bias,
+            init_std=config.init_method_std, segments=(q, kv, kv), splits=(tp_size, kv_splits, kv_splits),
+            tp_group=tp_group, sequence_parallel=sequence_parallel,
+        )
+        self.proj = RowParallelLinear(q, config.hidden_size, bias=config.add_bias_linear, init_std=output_std,
+                                      tp_group=tp_group, sequence_parallel=sequence_parallel)
+        if config.qk_layernorm:
+            # One norm over the head dimension, shared by all heads; each TP rank applies it to
+            # its own heads, so its gradient is a partial sum over the TP group.
+            self.q_norm = build_norm(config, tp_group, sequence_parallel=True, width=self.head_dim)
+            self.k_norm = build_norm(config, tp_group, sequence_parallel=True, width=self.head_dim)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d)) v on [b, heads, s, d]; causal unless a mask is given."""
+        dropout_p = self.dropout if self.training else 0.0
+        with self.rng.fork(q.device) if dropout_p > 0 and self.rng is not None else nullcontext():
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attention_mask, is_causal=attention_mask is None,
+                dropout_p=dropout_p, enable_gqa=self.num_groups != self.num_heads,
+            )
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        qkv = self.qkv(x)  # whole sequence, this rank's heads (under SP, x is a sequence shard)
+        batch, seq, _ = qkv.shape
+        d = self.head_dim
+        q, k, v = qkv.split([self.num_heads * d, self.num_groups * d, self.num_groups * d], dim=-1)
+        q, k, v = (t.view(batch, seq, -1, d) for t in (q, k, v))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if attention_mask is not None:
+            attention_mask = attention_mask[:, None]  # [b, 1, s, s]: same mask for every head
+        if self.recompute_core and self.training:
+            out = checkpoint(self.core, q, k, v, attention_mask, rng=self.rng if self.dropout > 0 else None)
+        else:
+            out = self.core(q, k, v, attention_mask)
+        return self.proj(out.transpose(1, 2).reshape(batch, seq, -1))

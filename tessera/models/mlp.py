@@ -1,0 +1,45 @@
+"""The feed-forward block: GeLU, or SwiGLU with gate and up projections fused in one GEMM.
+
+Column-parallel fc1 and row-parallel fc2: the inner features are split over tensor-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.config import ConfigError, ModelConfig
+from tessera.parallel.sharding import rank_and_size
+from tessera.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+
+
+class MLP(nn.Module):
+    """Feed-forward block: GeLU, or SwiGLU with gate and up projections fused in one GEMM."""
+
+    def __init__(self, config: ModelConfig, output_std: float, *, tp_group=None, sequence_parallel: bool = False,
+                 ffn_hidden_size: int | None = None, ffn_flag: str = "--ffn-hidden-size"):
+        super().__init__()
+        ffn = ffn_hidden_size or config.ffn_hidden_size   # a MoE's shared expert has its own width
+        self.swiglu, self.openai_gelu = config.swiglu, config.openai_gelu
+        _, tp_size = rank_and_size(tp_group)
+        if ffn % tp_size:
+            raise ConfigError(f"{ffn_flag} ({ffn}) must be divisible by --tensor-model-parallel-size ({tp_size})")
+        self.fc1 = ColumnParallelLinear(
+            config.hidden_size, 2 * ffn if self.swiglu else ffn, bias=config.add_bias_linear,
+            init_std=config.init_method_std, segments=(ffn, ffn) if self.swiglu else None,
+            tp_group=tp_group, sequence_parallel=sequence_parallel,
+        )
+        self.fc2 = RowParallelLinear(ffn, config.hidden_size, bias=config.add_bias_linear, init_std=output_std,
+                                     tp_group=tp_group, sequence_parallel=sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(activation(self.fc1(x), swiglu=self.swiglu, openai_gelu=self.openai_gelu))
+
+
+def activation(hidden: torch.Tensor, *, swiglu: bool, openai_gelu: bool) -> torch.Tensor:
+    """SiLU(gate) * up of a fused [gate; up] fc1 output, or GeLU (tanh-approximated with --openai-gelu)."""
+    if swiglu:
+        gate, up = hidden.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(hidden, approximate="tanh" if openai_gelu else "none")

@@ -1,0 +1,151 @@
+"""The Mixture-of-Experts layer: router, token dispatch, experts, shared expert.
+
+    routing, aux_loss = router(tokens)                # which experts, with what weights
+    rows = dispatcher.dispatch(tokens, routing)       # tokens to the ranks and experts that own them
+    out = dispatcher.combine(experts(rows), rows)     # expert outputs back on their tokens, summed
+    out += shared_expert(x)                           # optional, every token (Qwen2-MoE, DeepSeek)
+
+The dispatchers live in tessera.parallel.experts (they are the expert parallelism); the
+router and its load-balancing losses in tessera.models.router. The experts of a rank are
+stacked weights [local experts, out, in] (the layout of Hugging Face's fused experts), run
+in two grouped GEMMs (--moe-grouped-gemm, torch._grouped_mm) or a loop over experts.
+Routing weights scale each row after the activation, before fc2, as Megatron does.
+
+The load-balancing losses enter the gradient through `_AttachAuxLoss`: the layer's output
+passes through unchanged, and in backward the loss receives `aux_loss_scale` (set by the
+trainer, tessera.training.losses) as its gradient, exactly as if it had been added to the
+objective with that weight. So the losses need no path of their own through pipeline
+stages, recomputation or compiled blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.config import ModelConfig
+from tessera.models.mlp import MLP, activation
+from tessera.models.router import Router
+from tessera.parallel.experts import ExpertGroups, build_dispatcher
+from tessera.parallel.sharding import ShardSpec, annotate, rank_and_size
+
+
+class MoELayer(nn.Module):
+    def __init__(self, config: ModelConfig, output_std: float, *, tp_group=None, sequence_parallel: bool = False,
+                 groups: ExpertGroups | None = None):
+        super().__init__()
+        groups = groups or ExpertGroups()
+        self.router = Router(config, tp_group=tp_group, sequence_parallel=sequence_parallel,
+                             loss_group=groups.loss, global_group=groups.stage)
+        self.dispatcher = build_dispatcher(groups, config.num_experts)
+        self.experts = GroupedExperts(config, output_std, groups=groups)
+        shared = config.moe_shared_expert_intermediate_size
+        self.shared_expert = MLP(config, output_std, tp_group=tp_group, sequence_parallel=sequence_parallel,
+                                 ffn_hidden_size=shared, ffn_flag="--moe-shared-expert-intermediate-size") \
+            if shared else None
+        if config.moe_shared_expert_gate:
+            tp_rank, tp_size = rank_and_size(tp_group)
+            shape = (1, config.hidden_size)
+            self.shared_expert_gate = annotate(nn.Parameter(torch.empty(shape)),
+                                               ShardSpec(shape, None, None, tp_rank, tp_size),
+                                               init_std=config.init_method_std, sequence_parallel=sequence_parallel)
+        else:
+            self.shared_expert_gate = None
+        self.register_buffer("aux_loss_scale", torch.ones(()), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [batch, seq, hidden] (a sequence shard under SP) -> the same shape."""
+        tokens = x.reshape(-1, x.shape[-1])
+        routing, aux_loss = self.router(tokens, batch_size=x.shape[0])
+        rows = self.dispatcher.dispatch(tokens.to(compute_dtype(x)), routing)
+        out = self.dispatcher.combine(self.experts(rows.hidden, rows.tokens_per_expert, rows.probs), rows)
+        out = out.view(*x.shape[:-1], -1)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = shared * torch.sigmoid(F.linear(x, self.shared_expert_gate))
+            out = out + shared
+        if aux_loss is not None:
+            out = _AttachAuxLoss.apply(out, aux_loss, self.aux_loss_scale)
+        return out
+
+
+class GroupedExperts(nn.Module):
+    """This rank's routed experts: fc1 [local experts, (2 x) ffn / ETP, hidden], fc2 [local, hidden, ffn / ETP].
+
+    With expert tensor parallelism each rank holds a column slice of every fc1 (gate and up
+    cut alike) and the matching row slice of fc2, so its outputs are partial sums that the
+    dispatcher's combine reduces.
+    """
+
+    def __init__(self, config: ModelConfig, output_std: float, *, groups: ExpertGroups):
+        super().__init__()
+        ep_rank, ep_size = rank_and_size(groups.ep)
+        etp_rank, etp_size = rank_and_size(groups.etp)
+        experts, hidden, ffn = config.num_experts, config.hidden_size, config.moe_ffn_hidden_size
+        self.swiglu, self.openai_gelu, self.grouped_gemm = config.swiglu, config.openai_gelu, config.moe_grouped_gemm
+        fc1_rows = 2 * ffn if self.swiglu else ffn
+        cut = dict(rank=etp_rank, size=etp_size, expert_rank=ep_rank, expert_size=ep_size)
+        fc1_spec = ShardSpec((experts, fc1_rows, hidden), 1, (ffn, ffn) if self.swiglu else None, **cut)
+        fc2_spec = ShardSpec((experts, hidden, ffn), 2, None, **cut)
+        local = experts // ep_size
+        self.fc1 = annotate(nn.Parameter(torch.empty(local, fc1_rows // etp_size, hidden)), fc1_spec,
+                            init_std=config.init_method_std, is_expert=True)
+        self.fc2 = annotate(nn.Parameter(torch.empty(local, hidden, ffn // etp_size)), fc2_spec,
+                            init_std=output_std, is_expert=True)
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """Rows x [N, hidden] grouped by expert (`tokens_per_expert` of them each), weighted by probs [N]."""
+        dtype = x.dtype
+        fc1, fc2 = self.fc1.to(dtype), self.fc2.to(dtype)
+        if self.grouped_gemm and grouped_mm_available(x.device.type, dtype):
+            offsets = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
+            hidden = torch._grouped_mm(x, fc1.transpose(1, 2), offs=offsets)
+            hidden = self._weighted_activation(hidden, probs)
+            return torch._grouped_mm(hidden, fc2.transpose(1, 2), offs=offsets)
+        sizes = tokens_per_expert.tolist()   # a host sync: the loop needs the sizes
+        outputs = [F.linear(self._weighted_activation(F.linear(rows, fc1[expert]), weights), fc2[expert])
+                   for expert, (rows, weights) in enumerate(zip(x.split(sizes), probs.split(sizes)))]
+        return torch.cat(outputs)
+
+    def _weighted_activation(self, hidden: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        # In fp32 (a compiled block fuses it into one pass), back to the GEMMs' dtype.
+        out = activation(hidden.float(), swiglu=self.swiglu, openai_gelu=self.openai_gelu) * probs.unsqueeze(-1)
+        return out.to(hidden.dtype)
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on the activation; backward gives `aux_loss` the gradient `scale`, as if
+    scale x aux_loss had been added to the loss being backpropagated (Megatron's MoEAuxLossAutoScaler)."""
+
+    @staticmethod
+    def forward(ctx, hidden, aux_loss, scale):
+        ctx.save_for_backward(scale)
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (scale,) = ctx.saved_tensors
+        return grad, scale.detach().clone(), None
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype GEMMs run in here: autocast's, else the input's."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+_TORCH_VERSION = tuple(int(part) for part in torch.__version__.split(".")[:2])
+
+
+def grouped_mm_available(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether torch._grouped_mm runs here: bf16 on CUDA; on CPU from torch 2.9 (no CPU kernel
+    before), where torch.compile traces it in bf16 only. Elsewhere the experts loop, which
+    computes the same (a pure rule rather than a probe, so that a compiled block can fold it)."""
+    if not hasattr(torch, "_grouped_mm") or device_type not in ("cuda", "cpu"):
+        return False
+    if dtype == torch.bfloat16:
+        return device_type == "cuda" or _TORCH_VERSION >= (2, 9)
+    return device_type == "cpu" and _TORCH_VERSION >= (2, 9) and dtype == torch.float32 \
+        and not torch.compiler.is_compiling()

@@ -1,0 +1,93 @@
+"""The training objective, in one place: the LM loss over the global batch's tokens, plus
+every MoE layer's load-balancing losses with Megatron's weight.
+
+LM: each rank backpropagates its micro-batch's masked per-token loss sum x loss scale /
+the unmasked tokens of the whole global batch. Summed over ranks and micro-batches that is
+the gradient of the token mean, whatever the layout.
+
+MoE: each router computes its micro-batch's load-balancing losses times their
+coefficients (its rank's part of them; the parts add up over the ranks sharing the
+micro-batch). As Megatron's default does, the objective adds each MoE layer's mean over
+the step's micro-batches:
+
+    objective = LM token mean + sum over MoE layers of mean over micro-batches of (coeff x loss)
+
+so each part's gradient weight is loss scale / (micro-batches per rank x DP ranks),
+set on every MoE layer before the step (`MoEBalance.set_loss_scale`). Neither TP, CP, PP
+nor the number of micro-batches changes it.
+
+After the step's backward, `MoEBalance.finish_step` sums the routers' token counts and
+loss values over the pipeline stage's ranks, moves each expert bias one step towards
+balance (--moe-router-enable-expert-bias: bias += rate x sign(mean count - count)), and
+returns the step's metrics: each loss (unweighted, averaged over micro-batches and MoE
+layers, Megatron's log names) and the load imbalance (max / mean tokens per expert).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tessera.models.gpt import GPTModel
+from tessera.models.router import LOSS_NAMES
+from tessera.parallel.mesh import Mesh
+
+IMBALANCE = "expert_load_imbalance"
+
+
+def masked_loss_sum(losses: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """A micro-batch's LM loss: the sum of its per-token losses where the mask is 1."""
+    return (losses * loss_mask).sum()
+
+
+class MoEBalance:
+    """The MoE layers' share of the objective and of the log, for one model (stage)."""
+
+    def __init__(self, model: GPTModel, mesh: Mesh, *, num_micro_batches: int, bias_update_rate: float,
+                 per_layer: bool = False):
+        self.layers = model.moe_layers()
+        self.mesh, self.bias_update_rate, self.per_layer = mesh, bias_update_rate, per_layer
+        self.micro_batch_weight = 1.0 / (num_micro_batches * mesh.dp_size)
+        self.pattern = model.config.moe_layers()   # of the whole model, also under PP
+        self.total_moe_layers = sum(self.pattern)
+        router = next(iter(self.layers.values())).router if self.layers else None
+        self.loss_names = [LOSS_NAMES[name] for name in router.loss_names] if router else []
+
+    @property
+    def active(self) -> bool:
+        return self.total_moe_layers > 0
+
+    def set_loss_scale(self, loss_scale: float) -> None:
+        for layer in self.layers.values():
+            layer.aux_loss_scale.fill_(loss_scale * self.micro_batch_weight)
+
+    @torch.no_grad()
+    def finish_step(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """Reduce the step's routing statistics, update expert biases, reset; the metrics."""
+        names = self.loss_names + [IMBALANCE]
+        per_layer = torch.zeros(len(self.pattern), len(names), device=device)   # by global layer index
+        if self.layers:
+            routers = [layer.router for layer in self.layers.values()]
+            # One collective for every layer of the stage: [layers, experts + losses].
+            stats = _sum(torch.stack([torch.cat([r.tokens_per_expert, r.loss_totals]) for r in routers]),
+                         self.mesh.group("tp_dp_cp"))
+            counts, losses = stats[:, :routers[0].num_experts], stats[:, routers[0].num_experts:]
+            for router, layer_counts in zip(routers, counts):
+                if router.expert_bias is not None:
+                    router.expert_bias += self.bias_update_rate * torch.sign(layer_counts.mean() - layer_counts)
+                router.reset_statistics()
+            rows = list(self.layers)
+            per_layer[rows, :-1] = losses * self.micro_batch_weight
+            per_layer[rows, -1] = counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-12)
+        per_layer = _sum(per_layer, self.mesh.group("pp"))   # every stage's layers, on every rank
+        metrics = dict(zip(names, per_layer.sum(dim=0) / self.total_moe_layers))
+        if self.per_layer:
+            moe = [i for i, is_moe in enumerate(self.pattern) if is_moe]
+            metrics.update({f"{name} layer {i}": per_layer[i, j] for i in moe for j, name in enumerate(names)})
+        return metrics
+
+
+def _sum(tensor: torch.Tensor, group) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(tensor, group=group)
+    return tensor
