@@ -15,11 +15,7 @@ bf16 (no casts in the forward pass, half the all-gather traffic) and the optimiz
 separate fp32 masters; in fp32 runs the weights are their own masters.
 
 With --overlap-param-gather the all-gathers start right after the step, and each module
-waits for its bucket only when the next forward reaches it. On CUDA, when no weights need
-gathering (one data-parallel rank per buffer), the step itself runs that way: its kernels go
-unit by unit (a block, the embedding, ...) in forward order on a side stream, and each unit's
-next forward waits only for its own update. The optimizer is memory-bound and a large part
-of a MoE step (26 ms of 115 for config M on an H200); the forward's GEMMs hide some of it.
+waits for its bucket only when the next forward reaches it.
 """
 
 from __future__ import annotations
@@ -28,7 +24,7 @@ import torch
 from torch import nn
 
 from tessera.config import OptimConfig
-from tessera.kernels.adamw import MasterAdamW, triton
+from tessera.kernels.adamw import MasterAdamW
 from tessera.parallel.collectives import all_gather_flat
 from tessera.parallel.ddp import GradBuffer
 
@@ -74,14 +70,9 @@ class DistributedOptimizer:
             models={master: view for master, view, _, _ in self._masters if master is not view},
             lr=optim.lr, betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps,
         )
-        self._pending: dict[tuple, object] = {}   # (buffer, bucket) -> all-gather, ("step", unit) -> update, in flight
-        self._units = _forward_units(model)
-        self._unit_masters = [[m for m, _, param, _ in self._masters if id(param) in {id(p) for p in own}]
-                              for _, own in self._units]
-        background = device.type == "cuda" and triton is not None and all(g.group is None for g in buffers)
-        self._side_stream = torch.cuda.Stream(device) if background else None
-        if overlap_param_gather or background:
-            self._install_wait_hooks()
+        self._gathers: dict[tuple[int, int], object] = {}   # (buffer, bucket) -> all-gather in flight
+        if overlap_param_gather:
+            self._install_wait_hooks(model)
 
     @property
     def param_groups(self):
@@ -120,28 +111,11 @@ class DistributedOptimizer:
         of each slice is written in the same pass), then share them."""
         self.optimizer.grads = {master: grad for (master, *_), (grad, _, _) in
                                 zip(self._masters, self.local_grads_with_offsets())}
-        if self._side_stream is not None:
-            self._step_in_background()
-        else:
-            self.optimizer.step()
+        self.optimizer.step()
         self.optimizer.grads = {}   # the next step's zero_grad must be able to free them
         self._start_gathers()
-        if not self.overlap_param_gather and self._side_stream is None:
+        if not self.overlap_param_gather:
             self.wait_all()
-
-    def _step_in_background(self) -> None:
-        main, side = torch.cuda.current_stream(), self._side_stream
-        side.wait_stream(main)   # the gradients, their norm and the clip factor are ready
-        scalars = (getattr(self.optimizer, name, None) for name in ("grad_scale", "found_inf"))
-        for tensor in (*self.optimizer.grads.values(), *(t for t in scalars if t is not None)):
-            tensor.record_stream(side)   # freed by the next step while the side stream may still read them
-        with torch.cuda.stream(side):
-            for unit, masters in enumerate(self._unit_masters):
-                if masters:
-                    self.optimizer.step(params=masters)
-                    done = torch.cuda.Event()
-                    done.record(side)
-                    self._pending["step", unit] = _UpdateDone(done)
 
     def _start_gathers(self) -> None:
         for which, (grads, weights) in enumerate(zip(self.buffers, self.params)):
@@ -151,46 +125,26 @@ class DistributedOptimizer:
             for index in reversed(range(len(grads.buckets))):
                 bucket = grads.buckets[index]
                 start, end = grads.shard_range(bucket)
-                self._pending[which, index] = all_gather_flat(
+                self._gathers[which, index] = all_gather_flat(
                     weights[bucket.start:bucket.end], weights[start:end].clone(), group=grads.group, async_op=True)
 
     def wait_all(self) -> None:
-        """Wait for every gather and update in flight (on CUDA the current stream waits: no host sync)."""
-        for key in list(self._pending):
-            self._pending.pop(key).wait()
+        for index in list(self._gathers):
+            self._gathers.pop(index).wait()
 
-    def _install_wait_hooks(self) -> None:
-        """Before each unit (a block, the embedding, ...) runs, wait for its buckets and its update."""
+    def _install_wait_hooks(self, model: nn.Module) -> None:
+        """Before each top-level unit (a block, the embedding, ...) runs, wait for its buckets."""
         bucket_index = {p: (which, i) for which, grads in enumerate(self.buffers)
                         for i, b in enumerate(grads.buckets) for p in b.params}
-        for unit, (module, own) in enumerate(self._units):
-            keys = sorted({bucket_index[p] for p in own if p in bucket_index}) + [("step", unit)]
-            module.register_forward_pre_hook(lambda _module, _args, keys=keys: self._wait(keys))
+        children = [m for name, m in model.named_children() if name != "layers"] + list(getattr(model, "layers", []))
+        for unit in [model, *children]:
+            own = unit.parameters(recurse=False) if unit is model else unit.parameters()
+            indices = sorted({bucket_index[p] for p in own if p in bucket_index})
+            if indices:
+                unit.register_forward_pre_hook(lambda _module, _args, indices=indices: self._wait(indices))
 
-    @torch.compiler.disable   # the hooks of compiled blocks run eagerly
-    def _wait(self, keys: list[tuple]) -> None:
-        for key in keys:
-            work = self._pending.pop(key, None)
+    def _wait(self, indices: list[tuple[int, int]]) -> None:
+        for index in indices:
+            work = self._gathers.pop(index, None)
             if work is not None:
                 work.wait()
-
-
-class _UpdateDone:
-    """An update enqueued on a side stream; wait() makes the current stream wait for it."""
-
-    def __init__(self, event: torch.cuda.Event):
-        self.event = event
-
-    def wait(self) -> None:
-        torch.cuda.current_stream().wait_event(self.event)
-
-
-def _forward_units(model: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
-    """(module, the parameters it alone holds) of the model's units, in the order the forward
-    runs them: the model's own (the output layer, stepped first so that it never waits long),
-    the embeddings, each block, the final norm."""
-    names = [name for name, _ in model.named_children()]
-    split = names.index("layers") if "layers" in names else len(names)
-    children = [module for name, module in model.named_children() if name != "layers"]
-    ordered = children[:split] + list(getattr(model, "layers", [])) + children[split:]
-    return [(model, list(model.parameters(recurse=False)))] + [(m, list(m.parameters())) for m in ordered]
