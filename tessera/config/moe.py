@@ -125,6 +125,27 @@ def _check_load_balancing(config: "ModelConfig") -> None:
     require(config.moe_z_loss_coeff is None or config.moe_z_loss_coeff >= 0, "--moe-z-loss-coeff must be >= 0")
 
 
+def check_expert_layout(config: "ModelConfig", *, tp: int, cp: int, dp: int, ep: int, etp: int,
+                        sequence_parallel: bool) -> None:
+    """Expert parallelism re-slices each stage's TP x CP x DP ranks as EDP x EP x ETP (Megatron's
+    folding): the trainer's rules, shared with the planner."""
+    if config.num_experts is None:
+        require(ep == 1 and etp == tp, "--expert-model-parallel-size / --expert-tensor-parallel-size need --num-experts")
+        return
+    require(min(ep, etp) >= 1, "--expert-model-parallel-size and --expert-tensor-parallel-size must be positive")
+    stage_ranks = tp * cp * dp
+    require(stage_ranks % (ep * etp) == 0,
+            f"--expert-model-parallel-size ({ep}) x --expert-tensor-parallel-size ({etp}) must divide "
+            f"--tensor-model-parallel-size x --context-parallel-size x data-parallel size ({stage_ranks})")
+    require(config.num_experts % ep == 0,
+            f"--num-experts ({config.num_experts}) must be divisible by --expert-model-parallel-size ({ep})")
+    require(config.moe_ffn_hidden_size % etp == 0,
+            f"--moe-ffn-hidden-size ({config.moe_ffn_hidden_size}) must be divisible by "
+            f"--expert-tensor-parallel-size ({etp})")
+    # Each TP rank must route its own tokens, or experts would see every token TP times.
+    require(tp == 1 or sequence_parallel, "--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel")
+
+
 def aux_loss_coefficients(config: "ModelConfig") -> dict[str, float]:
     """{load-balancing type: coefficient} of the losses that are on (coefficient > 0)."""
     kinds, coeffs = config.moe_router_load_balancing_type, config.moe_aux_loss_coeff

@@ -11,6 +11,7 @@ import yaml
 from tessera.config.data import DataConfig
 from tessera.config.fields import require
 from tessera.config.model import ModelConfig
+from tessera.config.moe import check_expert_layout
 from tessera.config.parallel import ParallelConfig
 from tessera.config.training import CheckpointConfig, OptimConfig, TrainConfig
 
@@ -64,25 +65,12 @@ class RunConfig:
             )
 
     def _check_experts(self) -> None:
-        """Expert parallelism re-slices each stage's TP x CP x DP ranks as EDP x EP x ETP (Megatron's folding)."""
-        model, parallel = self.model, self.parallel
-        ep, etp, tp = parallel.expert_model_parallel_size, parallel.expert_tensor_size, parallel.tensor_model_parallel_size
-        if model.num_experts is None:
-            require(ep == 1 and parallel.expert_tensor_parallel_size is None,
-                    "--expert-model-parallel-size / --expert-tensor-parallel-size need --num-experts")
-            return
-        stage_ranks = tp * parallel.context_parallel_size * self.data_parallel_size
-        require(stage_ranks % (ep * etp) == 0,
-                f"--expert-model-parallel-size ({ep}) x --expert-tensor-parallel-size ({etp}) must divide "
-                f"--tensor-model-parallel-size x --context-parallel-size x data-parallel size ({stage_ranks})")
-        require(model.num_experts % ep == 0,
-                f"--num-experts ({model.num_experts}) must be divisible by --expert-model-parallel-size ({ep})")
-        require(model.moe_ffn_hidden_size % etp == 0,
-                f"--moe-ffn-hidden-size ({model.moe_ffn_hidden_size}) must be divisible by "
-                f"--expert-tensor-parallel-size ({etp})")
-        # Each TP rank must route its own tokens, or experts would see every token TP times.
-        require(tp == 1 or parallel.sequence_parallel,
-                "--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel")
+        parallel = self.parallel
+        if self.model.num_experts is None:
+            require(parallel.expert_tensor_parallel_size is None, "--expert-tensor-parallel-size needs --num-experts")
+        check_expert_layout(self.model, tp=parallel.tensor_model_parallel_size, cp=parallel.context_parallel_size,
+                            dp=self.data_parallel_size, ep=parallel.expert_model_parallel_size,
+                            etp=parallel.expert_tensor_size, sequence_parallel=parallel.sequence_parallel)
 
     @property
     def data_parallel_size(self) -> int:

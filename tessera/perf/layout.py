@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from tessera.config import ModelConfig
 from tessera.config.fields import require
+from tessera.config.moe import check_expert_layout
 from tessera.parallel.pipeline_schedules import stage_layer_ranges
 
 RECOMPUTE = ("none", "selective", "full")
@@ -168,23 +169,8 @@ def check_layout(model: ModelConfig, layout: Layout, global_batch_size: int, seq
 
 
 def _check_experts(model: ModelConfig, layout: Layout) -> None:
-    """The trainer's rules for MoE layouts (tessera.config.run), in its words."""
-    ep, etp, tp = layout.ep, layout.expert_tp, layout.tp
-    stage_ranks = tp * layout.cp * layout.dp
-    if model.num_experts is None:
-        require(ep == 1 and etp == tp,
-                "--expert-model-parallel-size / --expert-tensor-parallel-size need --num-experts")
-        return
-    require(min(ep, etp) >= 1, "--expert-model-parallel-size and --expert-tensor-parallel-size must be positive")
-    require(stage_ranks % (ep * etp) == 0,
-            f"--expert-model-parallel-size ({ep}) x --expert-tensor-parallel-size ({etp}) must divide "
-            f"--tensor-model-parallel-size x --context-parallel-size x data-parallel size ({stage_ranks})")
-    require(model.num_experts % ep == 0,
-            f"--num-experts ({model.num_experts}) must be divisible by --expert-model-parallel-size ({ep})")
-    require(model.moe_ffn_hidden_size % etp == 0,
-            f"--moe-ffn-hidden-size ({model.moe_ffn_hidden_size}) must be divisible by "
-            f"--expert-tensor-parallel-size ({etp})")
-    require(tp == 1 or layout.sequence_parallel,
-            "--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel")
+    """The trainer's rules for MoE layouts (tessera.config.moe), in its words."""
+    check_expert_layout(model, tp=layout.tp, cp=layout.cp, dp=layout.dp, ep=layout.ep, etp=layout.expert_tp,
+                        sequence_parallel=layout.sequence_parallel)
     require(layout.moe_dispatcher in DISPATCHERS,
             f"--moe-token-dispatcher-type must be one of {', '.join(DISPATCHERS)}")
