@@ -32,6 +32,8 @@ from tessera.parallel.sharding import ShardSpec, annotate, rank_and_size
 
 
 class MoELayer(nn.Module):
+    """A MoE MLP: routed experts (split over expert-parallel ranks) and an optional shared expert."""
+
     def __init__(self, config: ModelConfig, output_std: float, *, tp_group=None, sequence_parallel: bool = False,
                  groups: ExpertGroups | None = None):
         super().__init__()

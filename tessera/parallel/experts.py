@@ -155,11 +155,12 @@ class AllToAllDispatcher(LocalDispatcher):
         counts = sent.tokens_per_expert.view(self.ep_size, self.num_experts)   # [to rank, its expert]
         received_counts = _all_gather_rows(sent.tokens_per_expert, self.ep).view(
             self.ep_size, self.ep_size, self.num_experts)[:, self.ep_rank]      # [from rank, my expert]
-        send_splits, receive_splits = counts.sum(dim=1).tolist(), received_counts.sum(dim=1).tolist()  # host sync
+        # The one host sync: all_to_all_single takes its row counts as lists.
+        send_splits, receive_splits = torch.stack([counts.sum(dim=1), received_counts.sum(dim=1)]).tolist()
         hidden = _AllToAll.apply(sent.hidden, self.ep, receive_splits, send_splits)
         probs = _AllToAll.apply(sent.probs, self.ep, receive_splits, send_splits)
         # Received rows are grouped by source rank, then expert; the experts want them by expert.
-        by_expert = _chunk_transpose(received_counts)
+        by_expert = _chunk_transpose(received_counts, sum(receive_splits))
         state = {"sent": sent, "by_expert": by_expert, "splits": (receive_splits, send_splits)}
         return ExpertInput(hidden[by_expert], probs[by_expert], received_counts.sum(dim=0), state)
 
@@ -250,13 +251,12 @@ def _gather_pairs(x: torch.Tensor, routing: Routing, group):
             _all_gather_rows(expert_index, group), all_gather_tokens(probs, group))
 
 
-def _chunk_transpose(counts: torch.Tensor) -> torch.Tensor:
-    """Row indices that reorder chunks laid out [rank][expert] (sizes `counts` [ranks, experts])
-    into [expert][rank] order."""
+def _chunk_transpose(counts: torch.Tensor, total: int) -> torch.Tensor:
+    """Row indices that reorder `total` rows in chunks laid out [rank][expert] (sizes `counts`
+    [ranks, experts]) into [expert][rank] order."""
     sizes = counts.flatten()
     starts = torch.cumsum(sizes, 0) - sizes                     # where each chunk begins, rank-major
     sizes_t, starts_t = counts.t().flatten(), starts.view_as(counts).t().flatten()
     first_row = torch.cumsum(sizes_t, 0) - sizes_t              # where it goes, expert-major
-    total = int(sizes.sum())
     within = torch.arange(total, device=counts.device) - torch.repeat_interleave(first_row, sizes_t, output_size=total)
     return torch.repeat_interleave(starts_t, sizes_t, output_size=total) + within

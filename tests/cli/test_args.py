@@ -117,3 +117,29 @@ def test_bad_yaml_names_the_file_and_key(capsys, tmp_path, text, expected):
     path.write_text(text)
     message = error_of(capsys, BASE + ["--config", str(path)])
     assert str(path) in message and expected in message
+
+
+MOE = ["--model", "tiny-moe", "--mock-data", "--lr", "1", "--train-iters", "1"]
+
+
+@pytest.mark.parametrize("flags, world, expected", [
+    (["--expert-model-parallel-size", "3"], 3, "--num-experts (4) must be divisible by --expert-model-parallel-size (3)"),
+    (["--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "2"], 4,
+     "--expert-model-parallel-size (4) x --expert-tensor-parallel-size (2) must divide --tensor-model-parallel-size "
+     "x --context-parallel-size x data-parallel size (4)"),
+    (["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"], 4,
+     "--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel"),
+    (["--expert-tensor-parallel-size", "5"], 5, "--moe-ffn-hidden-size (48) must be divisible by "
+                                                "--expert-tensor-parallel-size (5)"),
+    (["--moe-router-topk", "5"], 1, "--moe-router-topk (5) must not exceed --num-experts (4)"),
+    (["--moe-layer-freq", "[1,1]"], 1, "--moe-layer-freq '[1,1]' gives 2 layers, --num-layers is 4"),
+])
+def test_bad_expert_layouts_name_the_flags(capsys, flags, world, expected):
+    assert expected in error_of(capsys, MOE + flags, world_size=world)
+
+
+def test_moe_flags_from_yaml(tmp_path):
+    path = tmp_path / "moe.yaml"
+    path.write_text("model: tiny-moe\nmoe_layer_freq: 2\nmoe_aux_loss_coeff: [0.01]\nmock_data: true\n")
+    config = parse(["--config", str(path), "--lr", "1", "--train-iters", "1"])
+    assert config.model.moe_layers() == [True, False, True, False] and config.model.moe_aux_loss_coeff == [0.01]

@@ -186,3 +186,21 @@ def test_layer_pattern_forms():
     assert config.moe_layers() == [False, True, True, True]
     assert ModelConfig(**{**BASE, "num_layers": 4, "num_experts": 4, "moe_layer_freq": "2"}).moe_layers() == \
         [True, False, True, False]
+
+
+def test_expert_bias_moves_towards_balance_once_per_step():
+    """MoEBalance.finish_step: overloaded experts' bias goes down by the rate, underloaded up."""
+    from tessera.models.gpt import GPTModel
+    from tessera.parallel.mesh import Mesh
+    from tessera.training.losses import MoEBalance
+
+    config = ModelConfig(**{**BASE, "num_layers": 2, "num_experts": 4, "moe_router_score_function": "sigmoid",
+                            "moe_router_enable_expert_bias": True, "moe_layer_freq": "[0,1]"})
+    model = GPTModel(config)
+    router = model.moe_layers()[1].router
+    router.tokens_per_expert.copy_(torch.tensor([5.0, 1.0, 2.0, 0.0]))   # mean 2
+    balance = MoEBalance(model, Mesh(), num_micro_batches=1, bias_update_rate=0.1)
+    metrics = balance.finish_step(torch.device("cpu"))
+    assert router.expert_bias.tolist() == pytest.approx([-0.1, 0.1, 0.0, 0.1])
+    assert metrics["expert_load_imbalance"].item() == pytest.approx(5 / 2)
+    assert router.tokens_per_expert.sum() == 0   # counted afresh each step
