@@ -1,10 +1,12 @@
 """AdamW over fp32 master weights that also writes the model's bf16 copy: one pass over memory.
 
-The distributed optimizer keeps fp32 masters apart from bf16 model weights. torch's fused
-AdamW steps the masters (reading weight, gradient and both moments, writing three of them:
-28 bytes per parameter, at about 2.9 TB/s on an H200, 70% of the copy bandwidth), and
-copying the masters into the model takes another pass (6 bytes). On CUDA one Triton kernel
-per tensor does both in 30 bytes, with the maths of torch.optim.AdamW(fused=True):
+The distributed optimizer keeps fp32 masters apart from bf16 model weights, and on one rank
+with one micro-batch its gradients are autograd's bf16 ones. torch's fused AdamW wants
+gradients in the masters' dtype and leaves the copy into the model to another pass; one
+Triton kernel per tensor reads the bf16 gradient and writes the bf16 weight in the same pass
+(28 bytes per parameter; ~4.1 TB/s in config M's step on an H200; alone on fp32 gradients it
+is no faster than torch's kernel plus a copy: docs/performance.md). The maths is
+torch.optim.AdamW(fused=True)'s:
 
     p <- p (1 - lr wd);  m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2
     p <- p - lr / (1 - b1^t) m / (sqrt(v) / sqrt(1 - b2^t) + eps),   g = grad / grad_scale

@@ -26,7 +26,7 @@ def apply_fsdp2(model: nn.Module, mesh: Mesh, *, reshard_after_forward: bool = T
     # rest of tessera attached to the old ones (ShardSpec, sequence-parallel marks, ...).
     attributes = {name: dict(param.__dict__) for name, param in model.named_parameters()}
     units = []
-    if mesh.ep_size > 1 or mesh.etp_size != mesh.tp_size:   # experts have replicas of their own
+    if not mesh.experts_follow_data_parallel:   # experts have replicas of their own
         units = [moe.experts for moe in model.moe_layers().values()]
         for experts in units:
             fully_shard(experts, mesh=mesh.expert_mesh["edp"], reshard_after_forward=reshard_after_forward)

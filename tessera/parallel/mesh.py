@@ -83,6 +83,12 @@ class Mesh:
         return self.tp_size * self.cp_size * self.dp_size // (self.etp_size * self.ep_size)
 
     @property
+    def experts_follow_data_parallel(self) -> bool:
+        """Whether expert weights are replicated exactly like dense ones (no expert parallelism and
+        expert-TP = TP), so that the data-parallel group also reduces and shards them."""
+        return self.ep_size == 1 and self.etp_size == self.tp_size
+
+    @property
     def _stage_rank(self) -> int:
         return self.rank % (self.tp_size * self.cp_size * self.dp_size)
 

@@ -62,7 +62,7 @@ class DistributedOptimizer:
             for param, (start, end) in grads.ranges.items():
                 param.data = weights[start:end].view_as(param)  # the model now reads the flat buffer
                 if param_dtype != torch.float32:
-                    param.grad = None  # main grads are filled by GradBuffer's hook
+                    param.grad = None  # main grads: the buffer (filled by its hook) or autograd's bf16 grads
         groups = [{"params": decay, "weight_decay": optim.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
         self.optimizer = MasterAdamW(

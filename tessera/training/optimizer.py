@@ -186,10 +186,9 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, parallel: ParallelConf
         # Nothing to reduce: plain .grad tensors, freed rather than zeroed between steps.
         return TrainingOptimizer(model, optim, mesh, buffers=[], inner=_adamw(params, optim), dp_sharded=False,
                                  pipeline=pipeline)
-    experts = [p for p in params if getattr(p, "is_expert", False)]
-    if mesh.ep_size == 1 and mesh.etp_size == mesh.tp_size:   # experts replicated like everything else
-        experts = []
-    dense = [p for p in params if id(p) not in {id(e) for e in experts}]
+    own_group = not mesh.experts_follow_data_parallel
+    experts = [p for p in params if own_group and getattr(p, "is_expert", False)]
+    dense = [p for p in params if not (own_group and getattr(p, "is_expert", False))]
     groups = [(dense, mesh.group("dp_cp"), mesh.dp_size * mesh.cp_size), (experts, mesh.group("edp"), mesh.edp_size)]
     buffers = [GradBuffer(
         members, group, bucket_size=parallel.ddp_bucket_size or default_bucket_size(size),
