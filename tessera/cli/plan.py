@@ -135,7 +135,8 @@ def _space(values: dict, args: argparse.Namespace, model: ModelConfig) -> Search
 def as_dict(prediction: Prediction, model: ModelConfig, capacity: float) -> dict:
     layout = prediction.layout
     return {
-        "layout": {**layout.__dict__, "flags": layout.flags(), "describe": layout.describe()},
+        "layout": {**layout.__dict__, "flags": layout.flags(moe=model.num_experts is not None),
+                   "describe": layout.describe()},
         "mfu": prediction.mfu, "tflops_per_gpu": prediction.tflops_per_gpu, "step_time_s": prediction.step_time,
         "tokens_per_sec": prediction.tokens_per_sec, "memory_gb_per_gpu": prediction.memory.total / 1e9,
         "memory_gib_per_gpu": prediction.memory.total / GIB, "fits": prediction.memory.total <= capacity,
@@ -224,5 +225,6 @@ def main(argv: list[str]) -> int:
               f"{p.tokens_per_sec:11,.0f} {p.memory.total / GIB:8.1f}")
     _print_breakdown(results[0], capacity)
     if not args.explain:
-        print("\ntrain with: " + " ".join(results[0].layout.flags() + ["--global-batch-size", str(batch)]))
+        flags = results[0].layout.flags(moe=model.num_experts is not None)
+        print("\ntrain with: " + " ".join(flags + ["--global-batch-size", str(batch)]))
     return 0

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 from tessera.cli.args import fail, parse_run_config
 from tessera.config import ConfigError
 
@@ -24,9 +22,16 @@ def print_schedule(config) -> None:
 
 
 def main(argv: list[str]) -> int:
-    config, _ = parse_run_config(argv, PROG, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    from tessera.parallel.launch import LaunchError, resolve_environment
+
+    try:
+        launch = resolve_environment()   # torchrun's variables, or SLURM's
+    except LaunchError as exc:
+        fail(PROG, str(exc))
+    launch.export()
+    config, _ = parse_run_config(argv, PROG, world_size=launch.world_size)
     if config.parallel.print_schedule:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if launch.rank == 0:
             try:
                 print_schedule(config)
             except ConfigError as exc:
@@ -36,11 +41,23 @@ def main(argv: list[str]) -> int:
 
     try:
         trainer = Trainer(config)
-    except ConfigError as exc:
+    except (ConfigError, LaunchError) as exc:
         fail(PROG, str(exc))
-    trainer.train()
+    try:
+        trainer.train()
+    except RuntimeError as exc:
+        if launch.world_size > 1 and _timed_out(exc):
+            fail(PROG, f"rank {launch.rank}: a collective did not complete within --distributed-timeout-minutes "
+                       f"({config.parallel.distributed_timeout_minutes:g}) at iteration {trainer.iteration + 1}: "
+                       f"another rank hung or died ({str(exc).strip().splitlines()[0]})")
+        raise
     _leave_process_group()
     return 0
+
+
+def _timed_out(exc: RuntimeError) -> bool:
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text
 
 
 def _leave_process_group() -> None:

@@ -23,7 +23,8 @@ class DataConfig:
     train_data_path: list[str] | None = option(None, "training dataset(s), whole (instead of --data-path and --split)")
     valid_data_path: list[str] | None = option(None, "validation dataset(s), whole")
     test_data_path: list[str] | None = option(None, "test dataset(s), whole")
-    data_cache_path: str | None = option(None, "directory for the sample index cache (default: next to each dataset)")
+    data_cache_path: str | None = option(None, "directory for the sample index cache (default: next to each dataset)",
+                                      per_node=True)
     mid_level_dataset_surplus: float = option(0.005, "extra fraction of samples each blended dataset builds")
     reset_position_ids: bool = option(False, "restart position ids after each end-of-document token")
     reset_attention_mask: bool = option(False, "no attention across end-of-document tokens")

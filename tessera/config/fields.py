@@ -18,7 +18,9 @@ def option(default: Any, help: str, choices: tuple | None = None, **metadata: An
     """A config field with its --help text (and allowed values) for the CLI.
 
     `group` in the metadata puts the flag under its own heading in --help (the MoE flags of
-    ModelConfig); `parse` converts the command-line or YAML text (e.g. a layer pattern).
+    ModelConfig); `parse` converts the command-line or YAML text (e.g. a layer pattern);
+    `per_node=True` marks a local path that may differ between nodes of one job (the
+    start-up check that every rank got the same flags skips it).
     """
     metadata = {"help": help, "choices": choices, **metadata}
     if isinstance(default, list):

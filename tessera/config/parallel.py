@@ -30,13 +30,15 @@ class ParallelConfig:
     decoder_first_pipeline_num_layers: int | None = option(None, "layers on the first pipeline stage (the others split the rest evenly)")
     decoder_last_pipeline_num_layers: int | None = option(None, "layers on the last pipeline stage (the others split the rest evenly)")
     pipeline_schedule: str = option("1f1b", "pipeline schedule (1f1b interleaves with virtual stages)", ("1f1b", "gpipe"))
+    distributed_timeout_minutes: float = option(
+        10.0, "how long a collective (or the start-up rendezvous) may wait before it fails, naming what hung")
     print_schedule: bool = option(
         False, "print every pipeline rank's schedule and exit (without torchrun: WORLD_SIZE=N tessera train ...)")
 
     def __post_init__(self) -> None:
         positive(self, "tensor_model_parallel_size", "pipeline_model_parallel_size",
                   "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
-                  "ddp_bucket_size")
+                  "ddp_bucket_size", "distributed_timeout_minutes")
         require(not (self.use_distributed_optimizer and self.use_torch_fsdp2),
                  "--use-distributed-optimizer and --use-torch-fsdp2 are exclusive (FSDP2 already shards the optimizer)")
         require(not self.overlap_param_gather or self.use_distributed_optimizer,

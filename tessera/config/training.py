@@ -64,9 +64,12 @@ class TrainConfig:
     compile: bool | None = option(None, "torch.compile each block (default: on for CUDA, off on CPU)")
     device: str = option("auto", "where to train", ("auto", "cpu", "cuda"))
     log_interval: int = option(10, "iterations between log lines")
-    log_json: str | None = option(None, "append one JSON object per logged iteration to this file")
+    log_straggler: bool = option(
+        False, "every --log-interval, name the ranks whose forward-backward is slowest and fastest")
+    straggler_minmax_count: int = option(1, "how many slowest and fastest ranks --log-straggler names")
+    log_json: str | None = option(None, "append one JSON object per logged iteration to this file", per_node=True)
     moe_per_layer_logging: bool = option(False, "log each MoE layer's load-balancing losses and load imbalance")
-    tensorboard_dir: str | None = option(None, "write TensorBoard scalars here")
+    tensorboard_dir: str | None = option(None, "write TensorBoard scalars here", per_node=True)
     eval_interval: int | None = option(None, "iterations between evaluations (default: never)")
     eval_iters: int = option(10, "batches per evaluation")
     exit_interval: int | None = option(None, "stop after the iteration divisible by this")
@@ -80,7 +83,7 @@ class TrainConfig:
         require(self.train_iters is not None, "--train-iters is required")
         positive(self, "micro_batch_size", "global_batch_size", "train_iters", "log_interval",
                   "eval_interval", "eval_iters", "exit_interval", "loss_scale_window", "hysteresis",
-                  "peak_tflops", "loss_scale", "initial_loss_scale", "min_loss_scale")
+                  "peak_tflops", "loss_scale", "initial_loss_scale", "min_loss_scale", "straggler_minmax_count")
         require(not (self.bf16 and self.fp16), "--bf16 and --fp16 are exclusive")
         positive(self, "exit_duration_in_mins")
         if self.check_for_nan_in_loss_and_grad is None:

@@ -4,8 +4,10 @@ Building a GPT or blend index walks the whole dataset; reading it back is a memo
 The key is the MD5 of the JSON description (Megatron's scheme), so a change to any input
 -- dataset files, split, sample count, sequence length, seed -- gives a new entry
 instead of stale indices. Files are written under temporary names and renamed, the
-description last, so that ranks building the same entry at the same time, or a crash
-mid-write, never leave a half-written entry that looks complete.
+description last, so that ranks or jobs building the same entry at the same time (on a
+shared filesystem), or a crash mid-write, never leave a half-written entry that looks
+complete. Within one job the trainer builds on rank 0 first and the other ranks read its
+entry (tessera.parallel.launch.build_in_turns).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+
+from tessera.files import atomic_write
 
 
 def default_cache_dir(prefix: str) -> str:
@@ -50,15 +54,9 @@ def cached_arrays(cache_dir: str | None, kind: str, description: dict, names: tu
     try:
         Path(cache_dir).mkdir(parents=True, exist_ok=True)
         for name, path in paths.items():
-            _write_atomic(path, lambda f, a=arrays[name]: np.save(f, a))
-        _write_atomic(description_path, lambda f: f.write(text.encode("utf-8")))
+            atomic_write(path, lambda f, a=arrays[name]: np.save(f, a))
+        atomic_write(description_path, lambda f: f.write(text.encode("utf-8")))
     except OSError as exc:
         warnings.warn(f"cannot write the index cache in {cache_dir} ({exc}); indices will be rebuilt next run")
     return arrays
 
-
-def _write_atomic(path: Path, write: Callable) -> None:
-    temporary = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    with open(temporary, "wb") as f:
-        write(f)
-    os.replace(temporary, path)

@@ -20,9 +20,10 @@ process every size is 1 and every group is None, and the layers run unsplit.
 
 from __future__ import annotations
 
+import inspect
 import math
-import os
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -126,31 +127,49 @@ class Mesh:
         if world == 1:
             return cls()
         edp = tp * cp * dp // (ep * etp)
-        device_mesh = init_device_mesh(device_type, (pp, dp, cp, tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
-        expert_mesh = init_device_mesh(device_type, (pp, edp, ep, etp), mesh_dim_names=("pp", "edp", "ep", "etp"))
+        timeout = _GroupTimeout(device_type, timedelta(minutes=parallel.distributed_timeout_minutes))
+        device_mesh = init_device_mesh(device_type, (pp, dp, cp, tp), mesh_dim_names=("pp", "dp", "cp", "tp"),
+                                       **timeout.mesh(4))
+        expert_mesh = init_device_mesh(device_type, (pp, edp, ep, etp), mesh_dim_names=("pp", "edp", "ep", "etp"),
+                                       **timeout.mesh(4))
         # Every rank creates every group, in the same order, now: creating a group is collective.
         groups = {dim: device_mesh.get_group(dim) for dim, size in
                   (("tp", tp), ("cp", cp), ("dp", dp), ("pp", pp)) if size > 1}
         for name, dims in (("dp_cp", ("dp", "cp")), ("tp_cp", ("cp", "tp")), ("tp_dp_cp", ("dp", "cp", "tp"))):
             if math.prod(device_mesh[dims].shape) > 1:
-                groups[name] = device_mesh[dims]._flatten(name).get_group()
+                groups[name] = device_mesh[dims]._flatten(name, **timeout.flat()).get_group()
         groups.update({dim: expert_mesh.get_group(dim) for dim, size in
                        (("edp", edp), ("ep", ep), ("etp", etp)) if size > 1})
         if ep * etp > 1:
-            groups["tp_ep"] = expert_mesh["ep", "etp"]._flatten("tp_ep").get_group()
+            groups["tp_ep"] = expert_mesh["ep", "etp"]._flatten("tp_ep", **timeout.flat()).get_group()
         return cls(tp, cp, dp, pp, ep, etp, dist.get_rank(), device_mesh, expert_mesh, groups)
 
 
-def init_distributed(device: torch.device) -> torch.device:
-    """Join the process group that torchrun describes (if any) and pick this rank's device.
+# DeviceMesh creates its groups with PyTorch's default timeout (30 min gloo, 10 min NCCL)
+# unless each dimension gets options carrying one (pytorch/pytorch#119574); torch < 2.9 has
+# no such argument, and there only the world group follows --distributed-timeout-minutes.
+_MESH_TAKES_OPTIONS = "backend_override" in inspect.signature(init_device_mesh).parameters
 
-    NCCL on CUDA, gloo on CPU. Returns the device this process should use.
-    """
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1 or dist.is_initialized():
-        return device
-    if device.type == "cuda":
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
-    return device
+
+@dataclass(frozen=True)
+class _GroupTimeout:
+    """Process-group options that carry --distributed-timeout-minutes, for DeviceMesh."""
+
+    device_type: str
+    timeout: timedelta
+
+    def _options(self) -> tuple:
+        if self.device_type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+        else:
+            options = dist.ProcessGroupGloo._Options()
+        options._timeout = self.timeout
+        return ("nccl" if self.device_type == "cuda" else "gloo"), options
+
+    def mesh(self, ndim: int) -> dict:
+        """init_device_mesh's keyword arguments for a mesh of `ndim` dimensions."""
+        return {"backend_override": {dim: self._options() for dim in range(ndim)}} if _MESH_TAKES_OPTIONS else {}
+
+    def flat(self) -> dict:
+        """DeviceMesh._flatten's keyword arguments."""
+        return {"backend_override": self._options()} if _MESH_TAKES_OPTIONS else {}

@@ -111,17 +111,17 @@ class Layout:
             parts.append(f"recompute-{self.recompute}")
         return " ".join(parts)
 
-    def flags(self) -> list[str]:
-        """The `tessera train` flags of this layout."""
+    def flags(self, moe: bool = True) -> list[str]:
+        """The `tessera train` flags of this layout (the expert flags only for a `moe` model)."""
         flags = ["--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp),
                  "--context-parallel-size", str(self.cp), "--micro-batch-size", str(self.micro_batch_size)]
         if self.virtual_stages > 1:
             flags += ["--virtual-pipeline-model-parallel-size", str(self.virtual_stages)]
-        if self.ep > 1:
+        if moe and self.ep > 1:
             flags += ["--expert-model-parallel-size", str(self.ep)]
-        if self.expert_tp != self.tp:
+        if moe and self.expert_tp != self.tp:
             flags += ["--expert-tensor-parallel-size", str(self.expert_tp)]
-        if self.dispatches:
+        if moe and self.dispatches:
             flags += ["--moe-token-dispatcher-type", self.moe_dispatcher]
         for flag, value in (("--decoder-first-pipeline-num-layers", self.first_stage_layers),
                             ("--decoder-last-pipeline-num-layers", self.last_stage_layers)):
@@ -133,8 +133,14 @@ class Layout:
             flags.append("--use-torch-fsdp2")
         elif self.distributed_optimizer:
             flags.append("--use-distributed-optimizer")
-        if self.recompute != "none":
+        if self.recompute == "full":   # what memory.py models: each layer keeps only its input
+            flags += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+        elif self.recompute != "none":
             flags += ["--recompute-granularity", self.recompute]
+        if self.overlap_grad_reduce and self.dp > 1 and not self.fsdp:   # as predicted
+            flags.append("--overlap-grad-reduce")
+        if self.overlap_param_gather and self.distributed_optimizer and self.dp > 1:
+            flags.append("--overlap-param-gather")
         return flags
 
 

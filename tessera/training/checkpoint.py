@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import yaml
 
 from tessera.config import ConfigError, ModelConfig, RunConfig, flag
+from tessera.files import atomic_write
 from tessera.training.checkpoint_state import (
     Chunked, LoadPlanner, SavePlanner, master_state, model_state, optimizer_state, optimizer_steps,
     set_optimizer_steps,
@@ -82,18 +83,8 @@ def read_tracker(root: str | os.PathLike) -> int | None:
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    """Readers see the old file or the new one, never a part: write aside, fsync, rename."""
-    temporary = path.with_name(path.name + ".tmp")
-    with open(temporary, "w") as file:
-        file.write(text)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, path)
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+    """Readers see the old file or the new one, never a part; fsynced, as the tracker must be."""
+    atomic_write(path, lambda file: file.write(text.encode("utf-8")), durable=True)
 
 
 def _warn(message: str) -> None:

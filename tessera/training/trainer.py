@@ -28,7 +28,8 @@ from tessera.data.mock import MockGPTDataset
 from tessera.models.gpt import GPTModel, Recompute, initialize_parameters
 from tessera.parallel.experts import ExpertGroups
 from tessera.parallel.fsdp import apply_fsdp2
-from tessera.parallel.mesh import Mesh, init_distributed
+from tessera.parallel.launch import build_in_turns, init_distributed
+from tessera.parallel.mesh import Mesh
 from tessera.parallel.pipeline import PipelineGroups, PipelineRunner
 from tessera.parallel.pipeline_schedules import build_schedule, stage_layer_ranges
 from tessera.perf.flops import count_parameters, flops_per_iteration
@@ -39,6 +40,7 @@ from tessera.training.metrics import IterationStats, MetricsWriter, peak_memory_
 from tessera.training.optimizer import build_optimizer
 from tessera.training.precision import LossScaler, autocast, autocast_dtype
 from tessera.training.schedules import LRSchedule
+from tessera.training.stragglers import StragglerTimer
 
 Batch = dict[str, torch.Tensor]
 
@@ -73,7 +75,7 @@ class Trainer:
         train, parallel = config.train, config.parallel
         if parallel.context_parallel_size > 1:  # planned for (tessera plan models it), not trainable yet
             raise ConfigError("--context-parallel-size > 1: not implemented in the trainer yet")
-        self.device = init_distributed(resolve_device(train.device))
+        self.device = init_distributed(resolve_device(train.device), config)
         self.mesh = Mesh.build(parallel, self.device.type)
         self.data = _DataSource(config, self.mesh)
         torch.manual_seed(train.seed)
@@ -109,6 +111,7 @@ class Trainer:
         self.nan_check = NonFiniteCheck(self.device, check_grads=not train.fp16) \
             if train.check_for_nan_in_loss_and_grad else None
         self.checkpointer = Checkpointer(config, self.device)
+        self.stragglers = StragglerTimer(self.device, train.straggler_minmax_count) if train.log_straggler else None
         if config.checkpoint.load:
             self.checkpointer.load(self)  # model, optimizer, iteration, consumed samples, RNG
         self._attention = _attention_backend(train.attention_backend, self.device)
@@ -219,6 +222,8 @@ class Trainer:
         scale = self.loss_scaler.scale
         self.moe.set_loss_scale(scale)
         self.optimizer.zero_grad()
+        if self.stragglers is not None:
+            self.stragglers.start()
         if self.pipeline is not None:
             loss_sum = self._run_pipeline(self.runner, micro_batches, scale / tokens)
         else:
@@ -228,6 +233,8 @@ class Trainer:
                 loss = self._forward(batch)
                 (loss * (scale / tokens)).backward()
                 loss_sum += loss.detach()
+        if self.stragglers is not None:
+            self.stragglers.stop()   # before waiting for the other ranks' gradients
         self.optimizer.finish_grad_sync()
         moe_metrics = self.moe.finish_step(self.device) if self.moe.active else {}
         norm = self.optimizer.grad_norm()
@@ -273,6 +280,8 @@ class Trainer:
                     seconds = (time.perf_counter() - interval_start) / len(pending)
                     results = [r.resolve() for r in pending]
                     self._log(results, seconds)
+                    if self.stragglers is not None:
+                        self.metrics.info(self.stragglers.report())
                     history += results
                     pending, interval_start = [], time.perf_counter()
                 if train.eval_interval and (self.iteration % train.eval_interval == 0
@@ -361,9 +370,9 @@ class _DataSource:
         tokenizer = build_tokenizer(data, config.model.vocab_size)
         if config.model.vocab_size is None:
             config.model.vocab_size = tokenizer.vocab_size
-        train_set, valid_set, _ = build_train_valid_test_datasets(
+        train_set, valid_set, _ = build_in_turns(lambda: build_train_valid_test_datasets(  # index cache: built once
             data, seq_length=config.model.seq_length, seed=train.seed, train_samples=samples["train"],
-            valid_samples=samples["valid"], test_samples=0, tokenizer_eod=tokenizer.eod)
+            valid_samples=samples["valid"], test_samples=0, tokenizer_eod=tokenizer.eod))
         self.datasets = {"train": train_set, "valid": valid_set}
 
     def micro_batches(self, split: str, consumed_samples: int) -> Iterator[Batch]:
