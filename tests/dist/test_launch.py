@@ -34,11 +34,11 @@ def _free_port() -> int:
 
 
 def start(rank: int, world_size: int, port: int, flags: list[str], *, environ: dict | None = None,
-          command: list[str] | None = None) -> subprocess.Popen:
+          command: list[str] | None = None, local_rank: int | None = None) -> subprocess.Popen:
     """One rank of a job whose launcher set torchrun's variables (or `environ` instead)."""
-    variables = environ if environ is not None else {"RANK": str(rank), "WORLD_SIZE": str(world_size),
-                                                     "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-                                                     "MASTER_PORT": str(port)}
+    variables = environ if environ is not None else {
+        "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank if local_rank is None else local_rank),
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                                "MASTER_PORT") and not k.startswith("SLURM_")}
     return subprocess.Popen(command or [sys.executable, "-m", "tessera", "train", *flags],
@@ -146,38 +146,60 @@ from tessera.cli import run
 build = gpt_dataset.build_indices
 def logged(*args, **kwargs):
     with open(os.path.join(sys.argv[1], "builds.log"), "a") as log:
-        log.write(f"job {sys.argv[2]} rank {os.environ['RANK']}\\n")
+        log.write(f"job {sys.argv[2]} rank {os.environ['RANK']} documents {len(args[1])}\\n")
     return build(*args, **kwargs)
 gpt_dataset.build_indices = logged
 sys.exit(run(sys.argv[3:]))
 """
 
 
-def test_the_index_cache_is_built_once_per_job_and_survives_a_concurrent_job(tmp_path):
+def corpus_and_flags(tmp_path) -> list[str]:
+    """A small .bin/.idx corpus, a train script that logs each index build, and its flags."""
     prefix = str(tmp_path / "corpus")
     rng = np.random.default_rng(0)
     with IndexedDatasetWriter(prefix, np.uint16) as writer:
         for _ in range(200):
             writer.add_document(np.append(rng.integers(0, 90, rng.integers(5, 60)), 99))
-    script, cache = tmp_path / "train.py", tmp_path / "cache"
-    script.write_text(BUILD_LOGGING_TRAIN)
-    flags = ["train", "--model", "tiny-llama", "--data-path", prefix, "--split", "90,10,0", "--tokenizer-type",
-             "NullTokenizer", "--vocab-size", "100", "--data-cache-path", str(cache), "--lr", "1e-3",
-             "--train-iters", "2", "--eval-interval", "2", "--eval-iters", "1", "--micro-batch-size", "1",
-             "--global-batch-size", "4", "--num-workers", "0"]
+    (tmp_path / "train.py").write_text(BUILD_LOGGING_TRAIN)
+    return ["train", "--model", "tiny-llama", "--data-path", prefix, "--split", "90,10,0", "--tokenizer-type",
+            "NullTokenizer", "--vocab-size", "100", "--lr", "1e-3", "--train-iters", "2", "--eval-interval", "2",
+            "--eval-iters", "1", "--micro-batch-size", "1", "--global-batch-size", "4", "--num-workers", "0"]
+
+
+def builder(tmp_path, job: str, flags: list[str]) -> list[str]:
+    return [sys.executable, str(tmp_path / "train.py"), str(tmp_path), job, *flags]
+
+
+def assert_complete_cache(cache: Path) -> None:
+    files = sorted(p.name for p in cache.iterdir())
+    assert not [name for name in files if ".tmp" in name], files
+    assert len(files) == 2 * 4, files   # two splits x (three index arrays + the description), once each
+    for path in cache.glob("*.npy"):
+        np.load(path)   # every entry complete
+
+
+def test_the_index_cache_is_built_once_per_job_and_survives_a_concurrent_job(tmp_path):
+    flags = [*corpus_and_flags(tmp_path), "--data-cache-path", str(tmp_path / "cache")]
     jobs = {"a": (4, _free_port()), "b": (2, _free_port())}   # b shares the cache directory, at the same time
-    ranks = [start(r, size, port, [], command=[sys.executable, str(script), str(tmp_path), job, *flags])
+    ranks = [start(r, size, port, [], command=builder(tmp_path, job, flags))
              for job, (size, port) in jobs.items() for r in range(size)]
     assert [finish(p)[0] for p in ranks] == [0] * 6, [p.stderr for p in ranks]
     builds = (tmp_path / "builds.log").read_text().splitlines()
-    assert {line.split(" rank ")[1] for line in builds} == {"0"}     # only rank 0 of a job builds
-    for job in jobs:   # train and valid once each, or none when the other job's entries were there first
-        assert sum(line.startswith(f"job {job}") for line in builds) in (0, 2), builds
-    assert len(builds) >= 2
-    files = sorted(p.name for p in cache.iterdir())
-    assert not [name for name in files if ".tmp" in name], files
-    assert len(files) == 2 * 4   # two splits x (three index arrays + the description), once each
-    for path in cache.glob("*.npy"):
-        np.load(path)   # every entry complete
-    assert all(Path(cache, n.replace("-description.txt", "-shuffle_index.npy")).is_file()
-               for n in files if n.endswith("description.txt"))
+    ranks_and_splits = [line.split(" rank ")[1] for line in builds]
+    assert {line.split()[0] for line in ranks_and_splits} == {"0"}     # only rank 0 of a job builds
+    assert len(set(builds)) == len(builds)   # each job builds each split at most once (none if the other job had)
+    assert len(set(ranks_and_splits)) == 2   # train and valid, each built at least once
+    assert_complete_cache(tmp_path / "cache")
+
+
+def test_a_node_local_cache_is_built_once_per_node(tmp_path):
+    """Two "nodes" of two ranks, each with its own --data-cache-path (node-local disk)."""
+    flags, port = corpus_and_flags(tmp_path), _free_port()
+    ranks = [start(r, 4, port, [], local_rank=r % 2,
+                   command=builder(tmp_path, "a", [*flags, "--data-cache-path", str(tmp_path / f"node{r // 2}")]))
+             for r in range(4)]
+    assert [finish(p)[0] for p in ranks] == [0] * 4, [p.stderr for p in ranks]
+    builds = [line.split(" documents ")[0] for line in (tmp_path / "builds.log").read_text().splitlines()]
+    assert sorted(builds) == ["job a rank 0"] * 2 + ["job a rank 2"] * 2   # each node's first rank, train and valid
+    for node in (0, 1):
+        assert_complete_cache(tmp_path / f"node{node}")
