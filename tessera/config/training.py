@@ -42,6 +42,9 @@ class OptimConfig:
             require(self.lr_wsd_decay_iters is not None, "--lr-decay-style WSD needs --lr-wsd-decay-iters")
 
 
+FP8 = "FP8 training (tessera.training.fp8)"
+
+
 @dataclass
 class TrainConfig:
     """Batch, length of the run, precision, recompute, logging."""
@@ -57,6 +60,19 @@ class TrainConfig:
     min_loss_scale: float = option(1.0, "smallest dynamic loss scale")
     loss_scale_window: int = option(1000, "iterations without overflow before the scale doubles")
     hysteresis: int = option(2, "overflows tolerated before the scale halves")
+    fp8_format: str | None = option(None, "FP8 GEMMs in the transformer layers' linears: e4m3 everywhere, or hybrid "
+                                    "(E5M2 gradients); needs --bf16 and an FP8 GPU", ("e4m3", "hybrid"), group=FP8)
+    fp8_recipe: str = option("delayed", "FP8 scaling: per tensor from this step's amax (tensorwise) or from the "
+                             "amax history (delayed)", ("tensorwise", "delayed", "blockwise", "mxfp8"), group=FP8)
+    fp8_margin: int = option(0, "delayed scaling: scale down by 2^margin for headroom", group=FP8)
+    fp8_amax_history_len: int = option(1, "delayed scaling: steps of amax history", group=FP8)
+    fp8_amax_compute_algo: str = option("most_recent", "delayed scaling: the amax a scale comes from",
+                                        ("most_recent", "max"), group=FP8)
+    first_last_layers_bf16: bool = option(False, "keep the first and last transformer layers in bf16", group=FP8)
+    num_layers_at_start_in_bf16: int = option(1, "with --first-last-layers-bf16: layers at the start", group=FP8)
+    num_layers_at_end_in_bf16: int = option(1, "with --first-last-layers-bf16: layers at the end", group=FP8)
+    no_fp8_wgrad: bool = option(False, "compute the weight gradients in bf16, not FP8", group=FP8)
+    fp8_param_gather: bool = option(False, "all-gather FP8 weights (distributed optimizer / FSDP2)", group=FP8)
     recompute_granularity: str | None = option(None, "activation recomputation", ("full", "selective"))
     recompute_method: str | None = option(None, "which layers --recompute-granularity full recomputes", ("uniform", "block"))
     recompute_num_layers: int | None = option(None, "layers per recompute chunk (uniform) or recomputed layers (block)")
@@ -85,6 +101,7 @@ class TrainConfig:
                   "eval_interval", "eval_iters", "exit_interval", "loss_scale_window", "hysteresis",
                   "peak_tflops", "loss_scale", "initial_loss_scale", "min_loss_scale", "straggler_minmax_count")
         require(not (self.bf16 and self.fp16), "--bf16 and --fp16 are exclusive")
+        self._check_fp8()
         positive(self, "exit_duration_in_mins")
         if self.check_for_nan_in_loss_and_grad is None:
             self.check_for_nan_in_loss_and_grad = True
@@ -95,6 +112,21 @@ class TrainConfig:
         else:
             require(self.recompute_method is None,
                      "--recompute-method needs --recompute-granularity full")
+
+    def _check_fp8(self) -> None:
+        if self.fp8_format is None:
+            return
+        require(self.bf16, "--fp8-format needs --bf16 (the FP8 GEMMs read and return bf16)")
+        require(self.fp8_recipe in ("tensorwise", "delayed"),
+                f"--fp8-recipe {self.fp8_recipe}: not implemented yet (tensorwise and delayed are)"
+                if self.fp8_recipe == "blockwise" else
+                "--fp8-recipe mxfp8 needs a Blackwell GPU (MXFP8 tensor cores); use tensorwise or delayed on Hopper")
+        require(not (self.first_last_layers_bf16 and self.fp8_recipe == "delayed"),
+                "--first-last-layers-bf16 does not combine with --fp8-recipe delayed (as in Megatron)")
+        require(self.fp8_margin >= 0 and self.num_layers_at_start_in_bf16 >= 0 and self.num_layers_at_end_in_bf16 >= 0,
+                "--fp8-margin and --num-layers-at-start/end-in-bf16 must be >= 0")
+        positive(self, "fp8_amax_history_len")
+        require(not self.fp8_param_gather, "--fp8-param-gather: not implemented yet (weights are gathered in bf16)")
 
     @property
     def dtype_name(self) -> str:

@@ -123,11 +123,11 @@ reduce_scatter_tokens = _conjugate(_first(_reduce_scatter), _first(_all_gather))
 # -- layers ----------------------------------------------------------------------------
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp_group, *,
-                           sequence_parallel: bool = False) -> torch.Tensor:
+                           sequence_parallel: bool = False, matmul=F.linear) -> torch.Tensor:
     """x W^T + b for a row-sharded W: the input enters the TP region (all-gathered along the
     sequence under sequence parallelism), each rank computes its output features."""
     x = gather_from_sequence_region(x, tp_group) if sequence_parallel else copy_to_tp_region(x, tp_group)
-    return F.linear(x, weight, bias)
+    return matmul(x, weight, bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -153,11 +153,13 @@ class ColumnParallelLinear(nn.Module):
             self.bias = annotate(nn.Parameter(torch.empty(local_out)), self.bias_spec)
         else:
             self.register_parameter("bias", None)
+        self.fp8 = None   # an Fp8Linear when training in FP8 (tessera.training.fp8): the GEMM in place of F.linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = sum_replica_grads(self.weight, self.weight_spec, self.tp_group)
         bias = None if self.bias is None else sum_replica_grads(self.bias, self.bias_spec, self.tp_group)
-        y = column_parallel_linear(x, weight, bias, self.tp_group, sequence_parallel=self.sequence_parallel)
+        y = column_parallel_linear(x, weight, bias, self.tp_group, sequence_parallel=self.sequence_parallel,
+                                   matmul=self.fp8 or F.linear)
         return gather_from_tp_region(y, self.tp_group) if self.gather_output else y
 
 
@@ -188,11 +190,12 @@ class RowParallelLinear(nn.Module):
                                  sequence_parallel=sequence_parallel)
         else:
             self.register_parameter("bias", None)
+        self.fp8 = None   # as ColumnParallelLinear's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp_group)
-        y = F.linear(x, self.weight)
+        y = (self.fp8 or F.linear)(x, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_region(y, self.tp_group)
         else:

@@ -1,0 +1,161 @@
+"""FP8 linear layers over torch._scaled_mm, with per-tensor scales (current or delayed).
+
+A linear layer's three GEMMs run in FP8: forward y = x W^T with x and W in E4M3, dgrad
+dx = dy W and wgrad dW = dy^T x with dy in E5M2 ("hybrid") or E4M3. Each operand has one
+fp32 scale; FP8 = saturate(value x scale) and _scaled_mm takes the inverse scales. FP8
+copies of x and W (not bf16 ones) are saved for the backward, which is where most of FP8's
+memory saving comes from.
+
+Scales: `tensorwise` (current scaling) takes each tensor's scale from its own amax, now;
+`delayed` takes it from the amax history of earlier steps (TE's DelayedScaling), and records
+this step's amax for the next. Written here rather than taken from torchao because tessera's
+linears are its own tensor-parallel modules (torchao swaps nn.Linear), and delayed scaling
+needs its amaxes reduced over the model-parallel ranks once per step, which torchao no longer
+offers. torch.compile fuses each amax and cast into the neighbouring elementwise kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}   # 448, 57344
+_TINY_AMAX = 1e-12   # an all-zero tensor gets a finite scale
+INPUT, WEIGHT, GRAD = 0, 1, 2   # rows of a delayed-scaling history
+ROLES = ("input", "weight", "grad")
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x x scale, saturated to the format's range, rounded to nearest even in `dtype`."""
+    limit = FP8_MAX[dtype]
+    return (x.float() * scale).clamp(-limit, limit).to(dtype)
+
+
+def scale_for(amax: torch.Tensor, dtype: torch.dtype, margin: int = 0) -> torch.Tensor:
+    """The scale that maps amax to the format's largest value, less 2^margin of headroom."""
+    return FP8_MAX[dtype] / amax.float().clamp(min=_TINY_AMAX) / 2.0**margin
+
+
+def amax(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().abs().amax().float()
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """What --fp8-format / --fp8-recipe and their knobs ask of every FP8 linear layer."""
+
+    format: str = "hybrid"            # e4m3 everywhere, or hybrid (E5M2 gradients)
+    recipe: str = "tensorwise"        # tensorwise (current scaling) or delayed
+    margin: int = 0
+    amax_history_len: int = 1
+    amax_compute_algo: str = "most_recent"   # or "max" over the history
+    fp8_wgrad: bool = True            # False: the weight gradient GEMM in high precision
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        return E5M2 if self.format == "hybrid" else E4M3
+
+
+class Fp8Linear(nn.Module):
+    """The FP8 GEMM of one linear layer: `fp8(x, weight, bias)` in place of F.linear.
+
+    Holds the delayed-scaling state (amax history and scales of input, weight and output
+    gradient) when the recipe is `delayed`; nothing otherwise.
+    """
+
+    def __init__(self, recipe: Fp8Recipe, device: torch.device | str | None = None):
+        super().__init__()
+        self.recipe = recipe
+        if recipe.recipe == "delayed":   # not in state_dict: FP8 and bf16 checkpoints stay interchangeable
+            self.register_buffer("amax_history", torch.zeros(3, recipe.amax_history_len, device=device),
+                                 persistent=False)
+            self.register_buffer("scales", torch.ones(3, device=device), persistent=False)
+            # This step's amax of each operand, the max over micro-batches: one 0-d buffer each
+            # (an in-place update of a slice of one [3] buffer hit "invalid argument" in an
+            # Inductor kernel on the H200).
+            for role in ROLES:
+                self.register_buffer(f"{role}_amax", torch.zeros((), device=device), persistent=False)
+        self.calibrated = False   # delayed: the first step, with no history yet, scales by its own amax
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        shape = x.shape
+        out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        y = _Fp8Matmul.apply(x.reshape(-1, shape[-1]), weight, self, out_dtype)
+        y = y.reshape(*shape[:-1], weight.shape[0])
+        return y if bias is None else y + bias.to(y.dtype)
+
+    def scale(self, role: int, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """This operand's scale; with delayed scaling also records its amax for the next step."""
+        if self.recipe.recipe != "delayed":
+            return scale_for(amax(tensor), dtype)
+        current = amax(tensor)
+        recorded = getattr(self, f"{ROLES[role]}_amax")
+        recorded.copy_(torch.maximum(recorded, current))
+        return self.scales[role] if self.calibrated else scale_for(current, dtype, self.recipe.margin)
+
+    @property
+    def step_amax(self) -> torch.Tensor:
+        """This step's amax of input, weight and output gradient (so far)."""
+        return torch.stack([getattr(self, f"{role}_amax") for role in ROLES])
+
+    @step_amax.setter
+    def step_amax(self, values: torch.Tensor) -> None:   # after the reduction over ranks
+        for role, value in zip(ROLES, values):
+            getattr(self, f"{role}_amax").copy_(value)
+
+    @torch.no_grad()
+    def end_step(self) -> None:
+        """Delayed scaling, after the optimizer step (and the amax reduction over ranks):
+        push this step's amaxes into the history and derive the next step's scales."""
+        history = torch.roll(self.amax_history, 1, dims=1)
+        history[:, 0] = self.step_amax
+        self.amax_history.copy_(history)
+        for role in ROLES:
+            getattr(self, f"{role}_amax").zero_()
+        window = history[:, 0] if self.recipe.amax_compute_algo == "most_recent" else history.amax(dim=1)
+        forward, backward = FP8_MAX[E4M3], FP8_MAX[self.recipe.grad_dtype]
+        limits = torch.tensor([forward, forward, backward], device=window.device)
+        self.scales.copy_(limits / window.clamp(min=_TINY_AMAX) / 2.0**self.recipe.margin)
+        self.calibrated = True
+
+
+def _column_major(t: torch.Tensor) -> torch.Tensor:
+    """The same matrix laid out column-major, as _scaled_mm wants its second operand."""
+    return t.t().contiguous().t()
+
+
+class _Fp8Matmul(torch.autograd.Function):
+    """The three FP8 GEMMs. The backward saves the high-precision input and the weight, not
+    their FP8 copies: the weight is held anyway, and under torch.compile the input is either
+    held by its neighbour (attention's output) or recomputed from what is (a norm's input), so
+    FP8 adds no activation memory. Their transposed FP8 copies, which the backward GEMMs need
+    in any case, are cast again with the forward's scales: the same bits as the forward's."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, layer: Fp8Linear, out_dtype: torch.dtype):
+        x_scale, w_scale = layer.scale(INPUT, x, E4M3), layer.scale(WEIGHT, weight, E4M3)
+        x8, w8 = quantize(x, x_scale, E4M3), quantize(weight, w_scale, E4M3)
+        y = torch._scaled_mm(x8, w8.t(), 1 / x_scale, 1 / w_scale, out_dtype=out_dtype, use_fast_accum=True)
+        ctx.save_for_backward(x, weight, x_scale, w_scale)
+        ctx.layer, ctx.out_dtype = layer, out_dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, x_scale, w_scale = ctx.saved_tensors
+        layer, out_dtype = ctx.layer, ctx.out_dtype
+        grad_dtype = layer.recipe.grad_dtype
+        g_scale = layer.scale(GRAD, grad, grad_dtype)
+        g8 = quantize(grad, g_scale, grad_dtype)
+        # dgrad and wgrad accumulate in full precision (no fast accumulation), as TE does.
+        w8 = _column_major(quantize(weight, w_scale, E4M3))
+        grad_x = torch._scaled_mm(g8, w8, 1 / g_scale, 1 / w_scale, out_dtype=out_dtype)
+        if layer.recipe.fp8_wgrad:
+            x8 = _column_major(quantize(x, x_scale, E4M3))
+            grad_w = torch._scaled_mm(g8.t().contiguous(), x8, 1 / g_scale, 1 / x_scale, out_dtype=torch.float32)
+        else:
+            grad_w = grad.to(out_dtype).t() @ x.to(out_dtype)
+        return grad_x, grad_w.to(weight.dtype), None, None
