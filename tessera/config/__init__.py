@@ -7,7 +7,7 @@ dataclass defaults < `--model PRESET` < `--config run.yaml` < command-line flags
 `tessera.cli.args` turns these dataclasses into the argument parser.
 
     fields.py    ConfigError, option(), the checks every section uses
-    model.py     ModelConfig (architecture; its MoE checks in moe.py)
+    model.py     ModelConfig (architecture; its MoE checks in moe.py, MLA and RoPE-scaling checks in attention.py)
     parallel.py  ParallelConfig        data.py  DataConfig
     training.py  OptimConfig, TrainConfig, CheckpointConfig
     run.py       RunConfig (all sections, checks across them), SECTIONS

@@ -5,10 +5,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tessera.config.attention import check_mla, check_rope
 from tessera.config.fields import flag, option, positive, require
 from tessera.config.moe import LOAD_BALANCING_TYPES, check_moe, parse_layer_pattern
 
-MOE = "mixture of experts"   # the --help heading of the MoE flags
+MOE = "mixture of experts"   # the --help headings of the MoE, MLA and RoPE-scaling flags
+MLA = "multi-latent attention"
+ROPE_SCALING = "RoPE scaling"
 
 @dataclass
 class ModelConfig:
@@ -25,7 +28,8 @@ class ModelConfig:
     max_position_embeddings: int | None = option(None, "size of the learned position table (default --seq-length)")
     vocab_size: int | None = option(None, "tokenizer vocabulary size (padded, see --make-vocab-size-divisible-by)")
     make_vocab_size_divisible_by: int = option(128, "pad the vocabulary to a multiple of this (times the TP size)")
-    position_embedding_type: str = option("learned_absolute", "position encoding", ("learned_absolute", "rope", "none"))
+    position_embedding_type: str = option("learned_absolute", "position encoding (yarn: RoPE with YaRN scaling)",
+                                          ("learned_absolute", "rope", "yarn", "none"))
     rotary_base: float = option(10000.0, "RoPE base (theta)")
     rotary_percent: float = option(1.0, "fraction of each head dimension that RoPE rotates")
     normalization: str = option("LayerNorm", "normalization layer", ("LayerNorm", "RMSNorm"))
@@ -38,7 +42,46 @@ class ModelConfig:
     hidden_dropout: float = option(0.1, "dropout on the residual branches")
     attention_dropout: float = option(0.1, "dropout on the attention probabilities")
     init_method_std: float = option(0.02, "std of the normal initialisation (output projections are scaled by 1/sqrt(2*layers))")
-    qk_layernorm: bool = option(False, "RMSNorm/LayerNorm on each head's query and key before RoPE (Qwen3)")
+    qk_layernorm: bool = option(False, "RMSNorm/LayerNorm on each head's query and key before RoPE (Qwen3); "
+                                "with --multi-latent-attention, on the query and key/value latents (DeepSeek)")
+
+    # Multi-latent attention (DeepSeek-V2/V3; Megatron-Core's flags; tessera.models.mla).
+    multi_latent_attention: bool = option(
+        False, "multi-latent attention: queries and keys/values through low-rank latents, RoPE on a decoupled "
+        "positional part", group=MLA)
+    q_lora_rank: int | None = option(None, "rank of the query latent (none: one query projection, as DeepSeek-V2-Lite)",
+                                     group=MLA)
+    kv_lora_rank: int | None = option(None, "rank of the key/value latent (default 32)", group=MLA)
+    qk_head_dim: int | None = option(None, "query/key channels per head without position (default 128)", group=MLA)
+    qk_pos_emb_head_dim: int | None = option(
+        None, "query/key channels per head that carry RoPE, the key's shared by all heads (default 64)", group=MLA)
+    v_head_dim: int | None = option(None, "value channels per head (default 128)", group=MLA)
+
+    # RoPE scaling for long contexts (tessera.models.rope): YaRN, or LLaMA-3.1's llama3 scaling.
+    rope_type: str | None = option(None, "RoPE frequencies: rope, or yarn (YaRN) (default yarn with "
+                                   "--multi-latent-attention, else rope)", ("rope", "yarn"), group=ROPE_SCALING)
+    rotary_scaling_factor: float = option(1.0, "YaRN: context extension factor (DeepSeek-V3 40)", group=ROPE_SCALING)
+    yarn_original_max_position_embeddings: int | None = option(
+        None, "YaRN: context length before scaling (needed with --rotary-scaling-factor > 1)", group=ROPE_SCALING)
+    yarn_beta_fast: float = option(32.0, "YaRN: turns in the original context above which frequencies are kept",
+                                   group=ROPE_SCALING)
+    yarn_beta_slow: float = option(1.0, "YaRN: turns below which frequencies are fully interpolated",
+                                   group=ROPE_SCALING)
+    yarn_correction_range_round_to_int: bool | None = option(
+        None, "YaRN: round the correction range out to whole dimensions (default on)", group=ROPE_SCALING)
+    mscale: float = option(1.0, "YaRN: cos and sin scale by mscale(s, --mscale) / mscale(s, --mscale-all-dim)",
+                           group=ROPE_SCALING)
+    mscale_all_dim: float = option(0.0, "YaRN: see --mscale; MLA's softmax scale is multiplied by "
+                                   "mscale(s, --mscale-all-dim)^2", group=ROPE_SCALING)
+    use_rope_scaling: bool = option(False, "llama3 RoPE scaling (LLaMA 3.1 and later)", group=ROPE_SCALING)
+    rope_scaling_factor: float = option(8.0, "llama3 scaling: context extension factor", group=ROPE_SCALING)
+    rope_scaling_low_freq_factor: float = option(
+        1.0, "llama3 scaling: frequencies turning fewer times than this in the original context are interpolated",
+        group=ROPE_SCALING)
+    rope_scaling_high_freq_factor: float = option(
+        4.0, "llama3 scaling: frequencies turning more times than this are kept", group=ROPE_SCALING)
+    rope_scaling_original_max_position_embeddings: int = option(
+        8192, "llama3 scaling: context length before scaling", group=ROPE_SCALING)
 
     # Mixture of Experts (Megatron-Core's flags; tessera.models.moe). Dense without --num-experts.
     num_experts: int | None = option(None, "routed experts per MoE layer (makes the model a MoE)", group=MOE)
@@ -80,6 +123,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
             require(getattr(self, name) is not None, f"{flag(name)} is required (or pick --model PRESET)")
+        check_mla(self)   # before the key/value groups get their default
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = (
                 int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu else 4 * self.hidden_size
@@ -108,13 +152,14 @@ class ModelConfig:
             f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
             f"--num-query-groups ({self.num_query_groups})",
         )
+        check_rope(self)
         if self.position_embedding_type == "learned_absolute":
             require(
                 self.max_position_embeddings >= self.seq_length,
                 f"--max-position-embeddings ({self.max_position_embeddings}) must be at least "
                 f"--seq-length ({self.seq_length})",
             )
-        if self.position_embedding_type == "rope":
+        if self.position_embedding_type == "rope" and not self.multi_latent_attention:
             rotary_dim = self.kv_channels * self.rotary_percent
             require(
                 0 < self.rotary_percent <= 1 and rotary_dim == int(rotary_dim) and int(rotary_dim) % 2 == 0,

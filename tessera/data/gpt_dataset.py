@@ -125,7 +125,8 @@ class SampleOptions:
 
 
 def make_sample(window: np.ndarray, options: SampleOptions) -> dict[str, torch.Tensor]:
-    """tokens, labels, loss_mask, position_ids (and attention_mask) from seq_length+1 tokens."""
+    """tokens, labels, loss_mask, position_ids from seq_length+1 tokens; with
+    --reset-attention-mask also cu_seqlens, the sample's document boundaries (see below)."""
     window = torch.from_numpy(np.asarray(window, dtype=np.int64))
     tokens, labels = window[:-1], window[1:]
     s = options.seq_length
@@ -133,9 +134,6 @@ def make_sample(window: np.ndarray, options: SampleOptions) -> dict[str, torch.T
     loss_mask = torch.ones(s, dtype=torch.float32)
     if options.eod_mask_loss:
         loss_mask[is_eod] = 0.0
-    # Document number of each position: an EOD token closes its document, so the count
-    # of EODs strictly before a position.
-    document = torch.cumsum(is_eod.long(), 0) - is_eod.long()
     position_ids = torch.arange(s)
     if options.reset_position_ids:
         first_of_document = torch.zeros(s + 1, dtype=torch.long)
@@ -144,8 +142,10 @@ def make_sample(window: np.ndarray, options: SampleOptions) -> dict[str, torch.T
         position_ids = position_ids - starts
     sample = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
     if options.reset_attention_mask:
-        causal = torch.ones(s, s, dtype=torch.bool).tril()
-        sample["attention_mask"] = causal & (document[:, None] == document[None, :])
+        # int32 [documents + 1]: 0, the end of each document, s. An EOD token closes its
+        # document, so a document ends after each EOD (one at the last token ends the last).
+        ends = torch.nonzero(is_eod[:-1]).flatten() + 1
+        sample["cu_seqlens"] = torch.cat([torch.tensor([0]), ends, torch.tensor([s])]).to(torch.int32)
     return sample
 
 

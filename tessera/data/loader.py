@@ -6,6 +6,9 @@ rank r gets the r-th slice of micro_batch_size (Megatron's MegatronPretrainingSa
 Randomness lives in the datasets' shuffle indices, so a run resumed at
 consumed_samples=N sees exactly what an uninterrupted run sees from sample N on, for any
 number of loader workers.
+
+A micro-batch stacks its samples' tensors; with packed documents (--reset-attention-mask)
+it joins their document boundaries into the micro-batch's cu_seqlens (`collate_micro_batch`).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 from typing import Iterable, Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from tessera.config import ConfigError, DataConfig
 from tessera.data.blend import BlendedDataset, blend_sizes, normalize, parse_blend
@@ -125,10 +128,23 @@ class PretrainingSampler(Sampler[list[int]]):
             start += step
 
 
+def collate_micro_batch(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Samples stacked into [micro_batch_size, ...] tensors; their cu_seqlens (each of its own
+    length) become one over the micro-batch's tokens read row after row (THD, as Megatron
+    merges them): sample i's boundaries offset by i x seq_length, joined."""
+    if "cu_seqlens" not in samples[0]:
+        return default_collate(samples)
+    batch = default_collate([{k: v for k, v in sample.items() if k != "cu_seqlens"} for sample in samples])
+    seq_length = batch["tokens"].shape[1]
+    starts = [sample["cu_seqlens"][:-1] + i * seq_length for i, sample in enumerate(samples)]
+    batch["cu_seqlens"] = torch.cat(starts + [torch.tensor([len(samples) * seq_length], dtype=torch.int32)])
+    return batch
+
+
 def build_data_loader(dataset: Dataset, *, micro_batch_size: int, dp_rank: int, dp_size: int, consumed_samples: int,
                       num_workers: int, pin_memory: bool, seed: int) -> Iterable[dict[str, torch.Tensor]]:
-    """Micro-batches ([micro_batch_size, seq_length] tensors) for this rank, endlessly."""
+    """Micro-batches ([micro_batch_size, seq_length] tensors, and cu_seqlens) for this rank, endlessly."""
     sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)
     generator = torch.Generator().manual_seed(seed)  # seeds the workers' own RNGs, if anything uses them
-    return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
-                      persistent_workers=num_workers > 0, generator=generator)
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_micro_batch, num_workers=num_workers,
+                      pin_memory=pin_memory, persistent_workers=num_workers > 0, generator=generator)

@@ -3,12 +3,18 @@
 Families: Llama (2, 3), Mistral (without a sliding window), Qwen2/2.5 (QKV bias), GPT-2,
 and three Mixture-of-Experts families: Mixtral, Qwen2-MoE (also Qwen1.5-MoE: QKV bias, a
 sigmoid-gated shared expert) and Qwen3-MoE (per-head QK norm). Anything the tessera
-model would compute differently (RoPE scaling, a sliding window, biases tessera has no
-place for, another activation, router jitter) is refused with a message naming the HF
-field, rather than converted into a model that silently disagrees.
+model would compute differently (a RoPE scaling other than llama3 or yarn, a sliding
+window, biases tessera has no place for, another activation, router jitter) is refused
+with a message naming the HF field, rather than converted into a model that silently
+disagrees.
 
-transformers 5 writes the RoPE base inside `rope_parameters`; 4.x wrote `rope_theta` at
-the top level. Both are read, and both are written so either version loads the export.
+transformers 5 writes the RoPE base and scaling inside `rope_parameters`; 4.x wrote
+`rope_theta` and `rope_scaling` at the top level. Both are read (`rope_scaling` first, as
+transformers 5 does), and both are written so either version loads the export. RoPE
+scaling maps onto Megatron's flags: llama3 onto --use-rope-scaling and --rope-scaling-*,
+yarn onto --rotary-scaling-factor, --yarn-* and --mscale / --mscale-all-dim. HF's yarn
+takes its cos/sin factor as mscale / mscale_all_dim only when both are set, else
+mscale(factor, 1); Megatron's formula gives the latter with --mscale 1 --mscale-all-dim 0.
 
 Routers (shared/reference/moe.md, section 4): HF's softmax over all experts, top-k,
 renormalise (Mixtral; Qwen's norm_topk_prob true) is Megatron's default top-k then
@@ -23,6 +29,7 @@ from typing import Any
 
 from tessera.config import ModelConfig, flag
 from tessera.config.moe import aux_loss_coefficients
+from tessera.models.rope import Llama3Scaling, YarnScaling, rope_scaling
 
 LLAMA_LIKE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
               "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
@@ -39,17 +46,85 @@ _ROUTER_DEFAULTS = {"moe_router_score_function": "softmax", "moe_router_topk_sca
                     "moe_router_num_groups": None, "moe_router_enable_expert_bias": False,
                     "moe_expert_capacity_factor": None}
 
+# rope_parameters keys that say how RoPE is scaled: rewritten on export from tessera's fields.
+_ROPE_SCALING_KEYS = ("rope_type", "type", "factor", "low_freq_factor", "high_freq_factor",
+                      "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                      "truncate", "attention_factor")
+
 
 class UnsupportedModel(ValueError):
     """The HF model uses a feature tessera's GPTModel does not compute."""
 
 
-def _rope(hf: dict[str, Any], default_theta: float) -> tuple[float, str]:
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    theta = params.get("rope_theta", hf.get("rope_theta", default_theta))
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    return float(theta), kind
+def _rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE parameters of a config.json of either transformers version, as one dict."""
+    params = {**(hf.get("rope_parameters") or {}), **(hf.get("rope_scaling") or {})}
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
+def rope_fields_from_hf(hf: dict[str, Any], default_theta: float = 10000.0, *,
+                        multi_latent_attention: bool = False) -> dict[str, Any]:
+    """ModelConfig's RoPE fields (base and scaling) of an HF config.json dict.
+
+    With multi-latent attention HF also scales the softmax by mscale(factor, mscale_all_dim)^2,
+    which Megatron's formula shares with the cos/sin factor: a yarn config whose cos/sin factor
+    HF computes without mscale_all_dim (mscale unset) cannot be said in tessera's flags.
+    """
+    params = _rope_parameters(hf)
+    kind = params["rope_type"]
+    fields: dict[str, Any] = {"rotary_base": float(params.get("rope_theta", hf.get("rope_theta", default_theta)))}
+    original = params.get("original_max_position_embeddings", hf.get("original_max_position_embeddings",
+                                                                      hf.get("max_position_embeddings")))
+    if kind == "llama3":
+        return dict(fields, use_rope_scaling=True, rope_scaling_factor=float(params["factor"]),
+                    rope_scaling_low_freq_factor=float(params["low_freq_factor"]),
+                    rope_scaling_high_freq_factor=float(params["high_freq_factor"]),
+                    rope_scaling_original_max_position_embeddings=int(original))
+    if kind != "yarn":
+        if kind != "default":
+            raise UnsupportedModel(f"rope_type '{kind}' (RoPE scaling) is not supported; tessera computes "
+                                   "llama3 and yarn")
+        return dict(fields, rope_type="rope") if multi_latent_attention else fields
+    factor = params.get("factor") or hf["max_position_embeddings"] / original   # HF's fallback
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if not (mscale and mscale_all_dim):
+        if multi_latent_attention and mscale_all_dim:
+            raise UnsupportedModel(f"yarn mscale_all_dim {mscale_all_dim} without mscale is not supported with "
+                                   "multi-latent attention (set both)")
+        mscale, mscale_all_dim = 1.0, 0.0
+    yarn = dict(fields, rope_type="yarn", rotary_scaling_factor=float(factor),
+                yarn_original_max_position_embeddings=int(original),
+                yarn_beta_fast=float(params.get("beta_fast") or 32.0),
+                yarn_beta_slow=float(params.get("beta_slow") or 1.0),
+                yarn_correction_range_round_to_int=bool(params.get("truncate", True)),
+                mscale=float(mscale), mscale_all_dim=float(mscale_all_dim))
+    if params.get("attention_factor") is not None:
+        expected = YarnScaling(factor, int(original), mscale=float(mscale), mscale_all_dim=float(mscale_all_dim))
+        if abs(params["attention_factor"] - expected.attention_factor) > 1e-12:
+            raise UnsupportedModel(f"yarn attention_factor {params['attention_factor']} is not supported (tessera "
+                                   f"derives {expected.attention_factor} from factor, mscale and mscale_all_dim)")
+    return yarn
+
+
+def hf_rope_parameters(model: ModelConfig) -> dict[str, Any]:
+    """transformers 5's `rope_parameters` of a tessera model (with rope_theta)."""
+    scaling = rope_scaling(model)
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": model.rotary_base}
+    if isinstance(scaling, Llama3Scaling):
+        rope.update(rope_type="llama3", factor=scaling.factor, low_freq_factor=scaling.low_freq_factor,
+                    high_freq_factor=scaling.high_freq_factor,
+                    original_max_position_embeddings=scaling.original_max_positions)
+    elif isinstance(scaling, YarnScaling):
+        rope.update(rope_type="yarn", factor=scaling.factor,
+                    original_max_position_embeddings=scaling.original_max_positions, beta_fast=scaling.beta_fast,
+                    beta_slow=scaling.beta_slow, truncate=scaling.round_to_int)
+        if scaling.mscale and scaling.mscale_all_dim:
+            rope.update(mscale=scaling.mscale, mscale_all_dim=scaling.mscale_all_dim)
+        elif (scaling.mscale, scaling.mscale_all_dim) != (1.0, 0.0):   # HF's fallback: mscale(factor, 1)
+            raise UnsupportedModel(f"--mscale {scaling.mscale} with --mscale-all-dim {scaling.mscale_all_dim} has no "
+                                   "Hugging Face equivalent (HF needs both nonzero, or --mscale 1 --mscale-all-dim 0)")
+    return rope
 
 
 def model_config_from_hf(hf: dict[str, Any], *, vocab_multiple: int = 128) -> ModelConfig:
@@ -64,9 +139,7 @@ def model_config_from_hf(hf: dict[str, Any], *, vocab_multiple: int = 128) -> Mo
     if family not in LLAMA_LIKE:
         raise UnsupportedModel(f"model_type '{family}' is not supported; tessera converts {', '.join(FAMILIES)}")
     defaults = _DEFAULTS.get(family, {})
-    theta, rope_type = _rope(hf, defaults.get("rope_theta", 10000.0))
-    if rope_type != "default":
-        raise UnsupportedModel(f"rope_type '{rope_type}' (RoPE scaling) is not supported")
+    rope = rope_fields_from_hf(hf, defaults.get("rope_theta", 10000.0))
     if hf.get("hidden_act", "silu") != "silu":
         raise UnsupportedModel(f"hidden_act '{hf['hidden_act']}' is not supported (SwiGLU uses silu)")
     if hf.get("mlp_bias") or hf.get("attention_bias"):
@@ -82,7 +155,7 @@ def model_config_from_hf(hf: dict[str, Any], *, vocab_multiple: int = 128) -> Mo
         kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
         seq_length=positions, max_position_embeddings=positions,
         vocab_size=hf["vocab_size"], make_vocab_size_divisible_by=vocab_multiple,
-        position_embedding_type="rope", rotary_base=theta, normalization="RMSNorm",
+        position_embedding_type="rope", **rope, normalization="RMSNorm",
         norm_epsilon=hf.get("rms_norm_eps", defaults.get("rms_norm_eps", 1e-6)), swiglu=True,
         disable_bias_linear=True, add_qkv_bias=family in _QKV_BIAS and hf.get("qkv_bias", True),
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
@@ -186,7 +259,7 @@ def infer_family(model: ModelConfig) -> str:
             and not model.swiglu and model.add_bias_linear:
         return "gpt2"
     if model.position_embedding_type == "rope" and model.normalization == "RMSNorm" and model.swiglu \
-            and model.disable_bias_linear and model.rotary_percent == 1.0:
+            and model.disable_bias_linear and model.rotary_percent == 1.0 and not model.multi_latent_attention:
         if model.num_experts is not None:
             return _moe_family(model)
         if not model.qk_layernorm:
@@ -231,7 +304,9 @@ def hf_config_from_model(model: ModelConfig, family: str, base: dict[str, Any] |
             resid_pdrop=model.hidden_dropout, embd_pdrop=model.hidden_dropout, attn_pdrop=model.attention_dropout,
         )
     else:
-        rope = dict(hf.get("rope_parameters") or {}, rope_type="default", rope_theta=model.rotary_base)
+        rope = hf_rope_parameters(model)
+        # The imported config's other RoPE keys (none of them scaling ones) are kept.
+        rope = {**{k: v for k, v in (hf.get("rope_parameters") or {}).items() if k not in _ROPE_SCALING_KEYS}, **rope}
         hf.update(
             architectures=[LLAMA_LIKE[family]], model_type=family, num_hidden_layers=model.num_layers,
             hidden_size=model.hidden_size, intermediate_size=model.ffn_hidden_size,
@@ -239,6 +314,8 @@ def hf_config_from_model(model: ModelConfig, family: str, base: dict[str, Any] |
             head_dim=model.kv_channels, max_position_embeddings=model.max_position_embeddings,
             vocab_size=model.vocab_size, rms_norm_eps=model.norm_epsilon, hidden_act="silu",
             rope_theta=model.rotary_base, rope_parameters=rope, tie_word_embeddings=model.tie_embeddings,
+            rope_scaling=({k: v for k, v in rope.items() if k != "rope_theta"} if rope["rope_type"] != "default"
+                          else None),
             attention_dropout=model.attention_dropout,
         )
         if family not in _QKV_BIAS:

@@ -2,7 +2,8 @@
 
 Heads and KV groups are split over tensor-parallel ranks (KV groups replicated when there
 are fewer groups than ranks); under sequence parallelism the input is a sequence shard
-and the QKV projection all-gathers it.
+and the QKV projection all-gathers it. With packed documents (tessera.models.documents)
+each token attends within its own document only.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.config import ConfigError, ModelConfig
+from tessera.models.documents import Documents
 from tessera.models.norm import build_norm
 from tessera.models.rope import apply_rotary
 from tessera.parallel.random import DropoutRNG, checkpoint
@@ -56,17 +58,15 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d)) v on [b, heads, s, d]; causal unless a mask is given."""
+             documents: Documents | None) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d)) v on [b, heads, s, d]: causal, within each document when given."""
         dropout_p = self.dropout if self.training else 0.0
         with self.rng.fork(q.device) if dropout_p > 0 and self.rng is not None else nullcontext():
-            return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attention_mask, is_causal=attention_mask is None,
-                dropout_p=dropout_p, enable_gqa=self.num_groups != self.num_heads,
-            )
+            return core_attention(q, k, v, documents, dropout_p=dropout_p,
+                                  enable_gqa=self.num_groups != self.num_heads)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                documents: Documents | None = None) -> torch.Tensor:
         qkv = self.qkv(x)  # whole sequence, this rank's heads (under SP, x is a sequence shard)
         batch, seq, _ = qkv.shape
         d = self.head_dim
@@ -76,11 +76,25 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if attention_mask is not None:
-            attention_mask = attention_mask[:, None]  # [b, 1, s, s]: same mask for every head
-        if self.recompute_core and self.training:
-            out = checkpoint(self.core, q, k, v, attention_mask, rng=self.rng if self.dropout > 0 else None)
-        else:
-            out = self.core(q, k, v, attention_mask)
-        return self.proj(out.transpose(1, 2).reshape(batch, seq, -1))
+        return attend_and_project(self, *(t.transpose(1, 2) for t in (q, k, v)), documents)
+
+
+def attend_and_project(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       documents: Documents | None) -> torch.Tensor:
+    """layer.core on [b, heads, s, d] (recomputed in the backward with selective recompute),
+    then layer.proj on the heads side by side: the tail that Attention and MLA share."""
+    if layer.recompute_core and layer.training:
+        out = checkpoint(layer.core, q, k, v, documents, rng=layer.rng if layer.dropout > 0 else None)
+    else:
+        out = layer.core(q, k, v, documents)
+    batch, _, seq, _ = out.shape
+    return layer.proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None, *,
+                   dropout_p: float, enable_gqa: bool = False, scale: float | None = None) -> torch.Tensor:
+    """Causal attention over the whole sequence (SDPA), or within each packed document."""
+    if documents is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=enable_gqa,
+                                              scale=scale)
+    return documents.attend(q, k, v, dropout_p=dropout_p, enable_gqa=enable_gqa, scale=scale)

@@ -6,6 +6,7 @@ layer) and LLaMA/Qwen/Mistral (RoPE, RMSNorm, SwiGLU, GQA, no biases, untied out
     model = GPTModel(config, tp_group=mesh.tp_group, sequence_parallel=True)
     logits = model(input_ids)                 # [batch, seq, padded vocab], on every TP rank
     loss = model(input_ids, labels=labels)    # per-token loss [batch, seq], fp32, on every TP rank
+    loss = model(input_ids, labels=labels, position_ids=positions, documents=documents)  # packed samples
 
 With tensor parallelism the vocabulary is split too: the loss is computed from each
 rank's slice of the logits, which are gathered only when the caller asks for logits.
@@ -33,9 +34,10 @@ import torch
 from torch import nn
 
 from tessera.config import ConfigError, ModelConfig
+from tessera.models.documents import Documents
 from tessera.models.moe import MoELayer
 from tessera.models.norm import build_norm
-from tessera.models.rope import RotaryEmbedding
+from tessera.models.rope import build_rotary
 from tessera.models.transformer import TransformerBlock
 from tessera.parallel.experts import ExpertGroups
 from tessera.parallel.random import DropoutRNG, checkpoint, dropout
@@ -82,8 +84,7 @@ class GPTModel(nn.Module):
                      sequence_parallel=sp)
         else:
             self.position_embedding = None
-        self.rotary = (RotaryEmbedding(config.rotary_dim, config.rotary_base, config.max_position_embeddings)
-                       if config.position_embedding_type == "rope" else None)
+        self.rotary = build_rotary(config)
         selective = recompute.granularity == "selective"
         moe = config.moe_layers()
         self.layers = LayerStack({
@@ -120,16 +121,17 @@ class GPTModel(nn.Module):
                        self.dropout_rng if self.sequence_parallel else None)
 
     def run_layers(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
-                   attention_mask: torch.Tensor | None = None,
+                   documents: Documents | None = None,
                    layers: Sequence[nn.Module] | None = None) -> torch.Tensor:
-        """The blocks (default all this model holds; a pipeline chunk passes its own) over `hidden`."""
+        """The blocks (default all this model holds; a pipeline chunk passes its own) over `hidden`;
+        with `documents` (packed samples) attention stays within each document."""
         seq_length = hidden.shape[1] * (self.tp_size if self.sequence_parallel else 1)
         rope = self.rotary(seq_length, position_ids) if self.rotary is not None else None
         layers = list(self.layers if layers is None else layers)
         for start, end, recomputed in self._layer_chunks(len(layers)):
             def run(h, chunk=layers[start:end]):
                 for layer in chunk:
-                    h = layer(h, rope, attention_mask)
+                    h = layer(h, rope, documents)
                 return h
             if recomputed and self.training:
                 hidden = checkpoint(run, hidden, rng=self._recompute_rng, replay=self._routers_paused)
@@ -164,8 +166,8 @@ class GPTModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = self.run_layers(self.embed(input_ids, position_ids), position_ids, attention_mask)
+                documents: Documents | None = None) -> torch.Tensor:
+        hidden = self.run_layers(self.embed(input_ids, position_ids), position_ids, documents)
         return self.head(hidden, labels)
 
     def _layer_chunks(self, num_layers: int) -> list[tuple[int, int, bool]]:

@@ -17,6 +17,8 @@ from torch import nn
 
 from tessera.config import ModelConfig
 from tessera.models.attention import Attention
+from tessera.models.documents import Documents
+from tessera.models.mla import MultiLatentAttention
 from tessera.models.mlp import MLP
 from tessera.models.moe import MoELayer
 from tessera.models.norm import build_norm
@@ -38,7 +40,8 @@ class TransformerBlock(nn.Module):
         # variance does not grow with depth (GPT-2, Megatron).
         output_std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
         self.input_norm = build_norm(config, tp_group, sequence_parallel)
-        self.attention = Attention(config, output_std, tp_group=tp_group, sequence_parallel=sequence_parallel,
+        attention = MultiLatentAttention if config.multi_latent_attention else Attention
+        self.attention = attention(config, output_std, tp_group=tp_group, sequence_parallel=sequence_parallel,
                                    rng=rng, recompute_core=recompute_core)
         self.post_attention_norm = build_norm(config, tp_group, sequence_parallel)
         if moe:
@@ -52,8 +55,8 @@ class TransformerBlock(nn.Module):
         self.hidden_rng = rng if sequence_parallel else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self._dropout(self.attention(self.input_norm(x), rope, attention_mask))
+                documents: Documents | None = None) -> torch.Tensor:
+        x = x + self._dropout(self.attention(self.input_norm(x), rope, documents))
         return x + self._dropout(self.mlp(self.post_attention_norm(x)))
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,11 @@ lower triangle of the s x s scores is needed, so each GEMM counts half, giving p
 
     attention = 6 * L * q * s      ( = 3 passes * 2 FLOP * 2 GEMMs * q * s / 2 )
 
+With packed documents attending within themselves only (--reset-attention-mask), a
+document of n tokens costs n times its own length, not s: the attention term of an
+iteration is 6 * L * q * sum(n^2) over its documents, as Megatron counts packed (THD)
+sequences; `squared_document_lengths` gives that sum.
+
 For GPT-3 shapes (q = kv = h, f = 4h) this is 72*B*s*L*h^2 * (1 + s/(12h) + V/(12*L*h)) per
 iteration, the sanity check in Megatron-LM. Megatron before March 2025 counted attention
 without the causal halving (s/(6h) instead of s/(12h)); `causal=False` gives that count.
@@ -124,7 +129,20 @@ def flops_per_token(config: ModelConfig, seq_length: int | None = None, vocab_si
 
 
 def flops_per_iteration(config: ModelConfig, global_batch_size: int, seq_length: int | None = None,
-                        vocab_size: int | None = None, causal: bool = True) -> float:
-    """Model FLOPs of one iteration over `global_batch_size` sequences (all GPUs together)."""
+                        vocab_size: int | None = None, causal: bool = True,
+                        squared_document_lengths: float | None = None) -> float:
+    """Model FLOPs of one iteration over `global_batch_size` sequences (all GPUs together);
+    with `squared_document_lengths` (the sum of n^2 over the iteration's documents) the
+    attention term counts packed documents, each attending within itself."""
     s = seq_length if seq_length is not None else config.seq_length
-    return global_batch_size * s * flops_per_token(config, s, vocab_size, causal)
+    total = global_batch_size * s * flops_per_token(config, s, vocab_size, causal)
+    if squared_document_lengths is not None:
+        total += _attention_flops(config, squared_document_lengths, causal) \
+            - _attention_flops(config, global_batch_size * s * s, causal)
+    return total
+
+
+def _attention_flops(config: ModelConfig, squared_lengths: float, causal: bool) -> float:
+    """Core attention (forward + backward) over sequences whose squared lengths sum to `squared_lengths`."""
+    return 6.0 * config.num_layers * config.num_attention_heads * config.kv_channels * squared_lengths \
+        * (1 if causal else 2)

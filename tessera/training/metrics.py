@@ -3,6 +3,8 @@
 TFLOP/s/GPU = model FLOPs of one iteration (tessera.perf.flops, Megatron's formula) /
 (seconds per iteration x number of GPUs), as Megatron-LM reports it. MFU divides that by
 the GPU's dense peak for the training dtype (tessera.perf.hardware), or by --peak-tflops.
+The FLOPs are fixed per iteration, except with packed documents, where the attention term
+follows the documents of the logged iterations (`IterationStats.flops_per_iteration`).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class IterationStats:
     nan_iterations: int
     mem_gb: float
     moe: dict[str, float] = field(default_factory=dict)   # MoE losses and load imbalance, by name
+    flops_per_iteration: float | None = None   # when the data decides them (packed documents); else the writer's
 
 
 class MetricsWriter:
@@ -72,8 +75,10 @@ class MetricsWriter:
         self.json_path = Path(log_json) if log_json and enabled else None
         self.tensorboard = _tensorboard_writer(tensorboard_dir) if tensorboard_dir and enabled else None
 
-    def throughput(self, seconds_per_iteration: float) -> dict[str, float | None]:
-        tflops = self.flops_per_iteration / (seconds_per_iteration * self.num_gpus) / 1e12
+    def throughput(self, seconds_per_iteration: float, flops_per_iteration: float | None = None
+                   ) -> dict[str, float | None]:
+        flops = self.flops_per_iteration if flops_per_iteration is None else flops_per_iteration
+        tflops = flops / (seconds_per_iteration * self.num_gpus) / 1e12
         return {
             "tokens_per_sec": self.tokens_per_iteration / seconds_per_iteration,
             "tflops_per_gpu": tflops,
@@ -83,7 +88,7 @@ class MetricsWriter:
     def log_iteration(self, stats: IterationStats) -> None:
         if not self.enabled:
             return
-        speed = self.throughput(stats.seconds_per_iteration)
+        speed = self.throughput(stats.seconds_per_iteration, stats.flops_per_iteration)
         record = {
             "iteration": stats.iteration, "consumed_samples": stats.consumed_samples, "loss": stats.loss,
             "lr": stats.lr, "grad_norm": stats.grad_norm, "loss_scale": stats.loss_scale,

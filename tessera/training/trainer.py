@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from tessera.config import ConfigError, RunConfig
 from tessera.data.mock import MockGPTDataset
+from tessera.models.documents import Documents, default_backend
 from tessera.models.gpt import GPTModel, Recompute, initialize_parameters
 from tessera.parallel.experts import ExpertGroups
 from tessera.parallel.fsdp import apply_fsdp2
@@ -33,6 +34,7 @@ from tessera.parallel.mesh import Mesh
 from tessera.parallel.pipeline import PipelineGroups, PipelineRunner
 from tessera.parallel.pipeline_schedules import build_schedule, stage_layer_ranges
 from tessera.perf.flops import count_parameters, flops_per_iteration
+from tessera.training import fp8
 from tessera.training.checkpoint import Checkpointer
 from tessera.training.losses import MoEBalance, masked_loss_sum
 from tessera.training.nan_check import NonFiniteCheck
@@ -42,7 +44,7 @@ from tessera.training.precision import LossScaler, autocast, autocast_dtype
 from tessera.training.schedules import LRSchedule
 from tessera.training.stragglers import StragglerTimer
 
-Batch = dict[str, torch.Tensor]
+Batch = dict[str, torch.Tensor | Documents]   # tensors; with packed samples, "documents" too
 
 
 @dataclass
@@ -87,6 +89,7 @@ class Trainer:
             self.model = GPTModel(config.model, tp_group=self.mesh.tp_group, sequence_parallel=parallel.sequence_parallel,
                                   recompute=recompute, expert_groups=expert_groups, **stage)
         initialize_parameters(self.model, train.seed)
+        self.fp8_layers = self._apply_fp8()
         self.moe = MoEBalance(self.model, self.mesh, num_micro_batches=config.num_micro_batches,
                               bias_update_rate=config.model.moe_router_bias_update_rate,
                               per_layer=train.moe_per_layer_logging)
@@ -115,6 +118,9 @@ class Trainer:
         if config.checkpoint.load:
             self.checkpointer.load(self)  # model, optimizer, iteration, consumed samples, RNG
         self._attention = _attention_backend(train.attention_backend, self.device)
+        self.document_backend = default_backend(self.device, self.amp_dtype or torch.float32,
+                                                config.model.attention_dropout > 0)   # packed samples' kernel
+        self._document_squares: int | None = None   # sum of n^2 over this rank's documents since the last log
         self.train_data = self.data.micro_batches("train", consumed_samples=self.consumed_samples)
         self.valid_data = self.data.micro_batches("valid", consumed_samples=0) if train.eval_interval else None
         self.metrics = MetricsWriter(
@@ -126,6 +132,16 @@ class Trainer:
             log_json=train.log_json, tensorboard_dir=train.tensorboard_dir,
             enabled=self.mesh.rank == self.mesh.world_size - 1,  # Megatron logs from the last rank
         )
+
+    def _apply_fp8(self) -> list:
+        """--fp8-format: FP8 GEMMs in this rank's transformer blocks (tessera.training.fp8)."""
+        recipe = fp8.recipe_of(self.config.train)
+        if recipe is None:
+            return []
+        fp8.check_device(self.device)
+        cfg = self.config
+        return fp8.apply_fp8(self.model.layers.items(), recipe, fp8.bf16_layers(cfg.train, cfg.model.num_layers),
+                             cfg.train.micro_batch_size * cfg.model.seq_length // self.mesh.cp_size)
 
     # -- pipeline parallelism ------------------------------------------------------------
 
@@ -161,12 +177,12 @@ class Trainer:
         """One model chunk on one micro-batch: its output activation, or on the last virtual
         stage the sum of the masked per-token losses."""
         stage = self.runner.stage(chunk)
-        position_ids, mask = batch.get("position_ids"), batch.get("attention_mask")
+        position_ids, documents = batch.get("position_ids"), batch.get("documents")
         layers = [self.model.layers[i] for i in self.chunk_layers[chunk]]
         with autocast(self.device.type, self.amp_dtype):
             if stage == 0:
                 hidden = self.model.embed(batch["tokens"], position_ids)
-            hidden = self.model.run_layers(hidden, position_ids, mask, layers=layers)
+            hidden = self.model.run_layers(hidden, position_ids, documents, layers=layers)
             if stage < self.runner.last_stage:
                 return hidden
             losses = self.model.head(hidden, batch["labels"])
@@ -206,7 +222,7 @@ class Trainer:
         """Sum of the masked per-token losses of one micro-batch."""
         with autocast(self.device.type, self.amp_dtype):
             losses = self.model(batch["tokens"], labels=batch["labels"], position_ids=batch.get("position_ids"),
-                                attention_mask=batch.get("attention_mask"))
+                                documents=batch.get("documents"))
         return masked_loss_sum(losses, batch["loss_mask"])
 
     def _sum_over_data_parallel(self, value: torch.Tensor) -> torch.Tensor:
@@ -218,6 +234,9 @@ class Trainer:
     def train_step(self) -> StepResult:
         self.model.train()
         micro_batches = [self._to_device(next(self.train_data)) for _ in range(self.config.num_micro_batches)]
+        if "documents" in micro_batches[0]:
+            self._document_squares = (self._document_squares or 0) + sum(
+                b["documents"].squared_lengths for b in micro_batches)
         tokens = self._sum_over_data_parallel(sum(b["loss_mask"].sum() for b in micro_batches).float()).clamp(min=1)
         scale = self.loss_scaler.scale
         self.moe.set_loss_scale(scale)
@@ -241,6 +260,7 @@ class Trainer:
         if self.loss_scaler.dynamic:  # the scale of the next iteration depends on this one
             self.loss_scaler.update(not torch.isfinite(norm).item())
         norm = self.optimizer.step(norm, scale, self.lr_schedule(self.iteration))
+        fp8.end_step(self.fp8_layers, self.mesh.group("tp_dp_cp"))
         self.iteration += 1
         self.consumed_samples += self.config.train.global_batch_size
         loss = self._sum_over_data_parallel(loss_sum) / tokens
@@ -313,6 +333,7 @@ class Trainer:
             lr=self.optimizer.param_groups[0]["lr"], grad_norm=results[-1].grad_norm,
             loss_scale=self.loss_scaler.scale, skipped_iterations=self.skipped_iterations,
             nan_iterations=self.nan_iterations, mem_gb=peak_memory_gb(self.device), moe=moe,
+            flops_per_iteration=self._packed_flops_per_iteration(len(results)),
         ))
         if self.pipeline is not None:
             self._log_bubble()
@@ -338,8 +359,26 @@ class Trainer:
             f"| seq {cfg.model.seq_length} | optimizer state {self.optimizer.state_bytes() / 2**30:.3f} GiB/rank"
         )
 
+    def _packed_flops_per_iteration(self, iterations: int) -> float | None:
+        """With packed documents, the model FLOPs of the logged iterations' mean, attention
+        counted per document (sum of n^2 over all DP ranks' documents); else None (the fixed count).
+        The TP, CP and PP ranks of one DP rank read the same documents: summed over DP only."""
+        if self._document_squares is None:
+            return None
+        squares = torch.tensor(float(self._document_squares), dtype=torch.float64, device=self.device)
+        if self.mesh.dp_group is not None:
+            dist.all_reduce(squares, group=self.mesh.dp_group)
+        self._document_squares = 0
+        cfg = self.config
+        return flops_per_iteration(cfg.model, cfg.train.global_batch_size, vocab_size=self.model.vocab_size,
+                                   squared_document_lengths=squares.item() / iterations)
+
     def _to_device(self, batch: Batch) -> Batch:
-        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        moved = {k: v.to(self.device, non_blocking=True) for k, v in batch.items() if k != "cu_seqlens"}
+        if "cu_seqlens" in batch:   # packed documents: boundaries checked and read on the host, once
+            moved["documents"] = Documents.from_cu_seqlens(batch["cu_seqlens"], *batch["tokens"].shape,
+                                                           backend=self.document_backend, device=self.device)
+        return moved
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":

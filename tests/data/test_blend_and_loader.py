@@ -118,7 +118,7 @@ def test_sampler_wraps_after_the_last_sample():
 def test_loader_resume_and_worker_count_give_the_same_batches(tmp_path):
     prefix = token_range_dataset(tmp_path / "a", 0, 200, 1)
     data = DataConfig(data_path=[prefix], split="1,0,0", data_cache_path=str(tmp_path / "cache"),
-                      reset_position_ids=True, eod_mask_loss=True)
+                      reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
     train, _, _ = build_train_valid_test_datasets(data, seq_length=16, seed=3, train_samples=64, valid_samples=0,
                                                   test_samples=0, tokenizer_eod=EOD)
 
@@ -133,3 +133,20 @@ def test_loader_resume_and_worker_count_give_the_same_batches(tmp_path):
         for key in expected:
             assert torch.equal(resumed[key], expected[key])
     assert torch.equal(full[0]["tokens"][0], train[2]["tokens"])  # rank 1's first sample is global sample 2
+
+
+def test_micro_batch_document_boundaries_follow_the_eod_tokens(tmp_path):
+    """--reset-attention-mask: cu_seqlens over the micro-batch's tokens read row after row, a
+    boundary after every EOD and at every sample's end (checked against the tokens themselves)."""
+    prefix = token_range_dataset(tmp_path / "a", 0, 200, 2)
+    data = DataConfig(data_path=[prefix], split="1,0,0", data_cache_path=str(tmp_path / "cache"),
+                      reset_attention_mask=True)
+    train, _, _ = build_train_valid_test_datasets(data, seq_length=16, seed=3, train_samples=32, valid_samples=0,
+                                                  test_samples=0, tokenizer_eod=EOD)
+    loader = build_data_loader(train, micro_batch_size=3, dp_rank=0, dp_size=1, consumed_samples=0,
+                               num_workers=0, pin_memory=False, seed=3)
+    for batch in itertools.islice(iter(loader), 4):
+        flat = batch["tokens"].flatten()
+        expected = {0, flat.numel()} | {i + 1 for i in range(flat.numel()) if flat[i] == EOD}
+        expected |= set(range(0, flat.numel(), 16))
+        assert batch["cu_seqlens"].dtype == torch.int32 and batch["cu_seqlens"].tolist() == sorted(expected)

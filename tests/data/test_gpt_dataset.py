@@ -8,6 +8,7 @@ from tessera.data import gpt_dataset
 from tessera.data.gpt_dataset import GPTDataset, SampleOptions, build_indices, make_sample
 from tessera.data.indexed import IndexedDatasetWriter
 from tessera.data.loader import split_ranges
+from tessera.models.documents import Documents
 
 
 def unique_token_dataset(path, lengths):
@@ -93,6 +94,7 @@ def test_masks_and_positions_reset_at_end_of_document():
     assert sample["labels"].tolist() == [E, 7, 8, E, 9, 4]
     assert sample["position_ids"].tolist() == [0, 1, 0, 1, 2, 0]
     assert sample["loss_mask"].tolist() == [1, 0, 1, 1, 0, 1]
+    assert sample["cu_seqlens"].tolist() == [0, 2, 5, 6] and sample["cu_seqlens"].dtype == torch.int32
     expected = torch.tensor([  # row attends to column; a document ends with its EOD
         [1, 0, 0, 0, 0, 0],
         [1, 1, 0, 0, 0, 0],
@@ -100,10 +102,14 @@ def test_masks_and_positions_reset_at_end_of_document():
         [0, 0, 1, 1, 0, 0],
         [0, 0, 1, 1, 1, 0],
         [0, 0, 0, 0, 0, 1]], dtype=torch.bool)
-    assert torch.equal(sample["attention_mask"], expected)
+    documents = Documents.from_cu_seqlens(sample["cu_seqlens"], 1, 6, backend="dense", device=torch.device("cpu"))
+    assert torch.equal(documents.dense_mask[0, 0], expected)
+    # An EOD as the last token ends the last document: no empty one after it.
+    ends_on_eod = make_sample(np.array([5, 7, E, 8, 9, E, 4]), SampleOptions(6, E, reset_attention_mask=True))
+    assert ends_on_eod["cu_seqlens"].tolist() == [0, 3, 6]
     plain = make_sample(window, SampleOptions(6, E))
     assert plain["position_ids"].tolist() == list(range(6)) and plain["loss_mask"].tolist() == [1] * 6
-    assert "attention_mask" not in plain
+    assert "cu_seqlens" not in plain
     assert plain["tokens"].dtype == torch.int64 and plain["loss_mask"].dtype == torch.float32
 
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.config import ModelConfig, ParallelConfig
+from tessera.models.documents import Documents
 from tessera.models.gpt import GPTModel, Recompute, initialize_parameters
 from tessera.models.presets import PRESETS
 from tessera.parallel.mesh import Mesh
@@ -203,8 +204,10 @@ def _inputs(config: ModelConfig, documents: bool) -> dict:
         document = (torch.arange(config.seq_length) >= config.seq_length // 3).long()
         inputs["position_ids"] = torch.arange(config.seq_length) - document * (config.seq_length // 3)
         inputs["position_ids"] = inputs["position_ids"].expand(BATCH, -1)
-        causal = torch.ones(config.seq_length, config.seq_length, dtype=torch.bool).tril()
-        inputs["attention_mask"] = (causal & (document[:, None] == document[None, :])).expand(BATCH, -1, -1)
+        s = config.seq_length
+        cu_seqlens = torch.tensor([row * s + start for row in range(BATCH) for start in (0, s // 3)] + [BATCH * s])
+        inputs["documents"] = Documents.from_cu_seqlens(cu_seqlens, BATCH, s, backend="per_document",
+                                                        device=torch.device("cpu"))
     return inputs
 
 

@@ -17,6 +17,9 @@ from tessera.interop.hf_config import UnsupportedModel, model_config_from_hf
 VOCAB = 101  # not a multiple of anything: exercises padding on import and cutting on export
 _LLAMA = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               max_position_embeddings=32)
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=64)
+YARN_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32)
 FAMILIES = {
     "llama3-gqa-untied": lambda: transformers.LlamaConfig(**_LLAMA, num_key_value_heads=2, rope_theta=500000.0),
     "llama2-mha-tied": lambda: transformers.LlamaConfig(**_LLAMA, num_key_value_heads=4, tie_word_embeddings=True),
@@ -25,6 +28,12 @@ FAMILIES = {
     "qwen2-qkv-bias-tied": lambda: transformers.Qwen2Config(**_LLAMA, num_key_value_heads=1, rope_theta=1e6,
                                                             tie_word_embeddings=True),
     "qwen2-untied": lambda: transformers.Qwen2Config(**_LLAMA, num_key_value_heads=2, tie_word_embeddings=False),
+    # RoPE scaling (tests/interop/test_hf_rope.py): the frequencies of 16-channel heads fall in
+    # all three of llama3's bands, and across YaRN's ramp
+    "llama3.1-rope-scaling": lambda: transformers.LlamaConfig(**dict(_LLAMA, max_position_embeddings=128),
+                                                              num_key_value_heads=2, rope_parameters=LLAMA3_ROPE),
+    "qwen2.5-yarn": lambda: transformers.Qwen2Config(**dict(_LLAMA, max_position_embeddings=128),
+                                                     num_key_value_heads=2, rope_parameters=YARN_ROPE),
     "gpt2": lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=32,
                                             bos_token_id=0, eos_token_id=0),
 }
@@ -88,8 +97,8 @@ def test_rope_theta_is_read_from_either_transformers_version():
 
 
 def test_features_tessera_does_not_compute_are_refused():
-    scaled = dict(model_type="llama", **_LLAMA, rope_scaling={"rope_type": "llama3", "factor": 8.0})
-    with pytest.raises(UnsupportedModel, match="llama3"):
+    scaled = dict(model_type="llama", **_LLAMA, rope_scaling={"rope_type": "dynamic", "factor": 8.0})
+    with pytest.raises(UnsupportedModel, match="dynamic"):
         model_config_from_hf(scaled)
     with pytest.raises(UnsupportedModel, match="sliding_window"):
         model_config_from_hf(dict(model_type="mistral", **_LLAMA, sliding_window=16))

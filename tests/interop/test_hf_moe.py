@@ -223,7 +223,7 @@ def test_the_export_infers_the_family_from_the_architecture():
     ("qwen2_moe", dict(layer_types=["full_attention", "sliding_attention", "full_attention"]), "layer_types"),
     ("qwen2_moe", dict(shared_expert_intermediate_size=0), "shared_expert_intermediate_size"),
     ("qwen2_moe", dict(decoder_sparse_step=0), "decoder_sparse_step"),
-    ("qwen2_moe", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}), "yarn"),
+    ("qwen2_moe", dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e6, "factor": 4.0}), "dynamic"),
 ])
 def test_hf_features_tessera_does_not_compute_are_refused(family, changes, message):
     with pytest.raises(UnsupportedModel, match=message):

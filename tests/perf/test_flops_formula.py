@@ -19,6 +19,19 @@ def test_gpt3_closed_form():
     assert flops_per_iteration(config, batch, causal=False) == pytest.approx(no_halving, rel=1e-12)
 
 
+def test_packed_documents_count_attention_per_document():
+    """GPT-3 shapes, 1536 samples of 2048 tokens packed with documents of 512 and 1536: the
+    closed form's attention term 72 B s L h^2 * s/(12h) follows sum(n^2) instead of B s^2."""
+    config = ModelConfig(**PRESETS["gpt3-175b"])
+    batch, s, layers, h, vocab = 1536, 2048, 96, 12288, 50304
+    squares = batch * (512**2 + 1536**2)
+    expected = 72 * layers * h**2 * (batch * s * (1 + vocab / (12 * layers * h)) + squares / (12 * h))
+    assert flops_per_iteration(config, batch, squared_document_lengths=squares) == pytest.approx(expected, rel=1e-12)
+    # One document per sample is the plain count.
+    whole = flops_per_iteration(config, batch, squared_document_lengths=batch * s**2)
+    assert whole == pytest.approx(flops_per_iteration(config, batch), rel=1e-12)
+
+
 def test_swiglu_gqa_by_hand():
     """A small GQA + SwiGLU model, every GEMM written out (forward x 3)."""
     config = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, group_query_attention=True,

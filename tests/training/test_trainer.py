@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from tests.conftest import run_config
+from tests.conftest import TINY, run_config
 from tessera.training.trainer import Trainer
 
 
@@ -97,8 +97,10 @@ def test_trains_and_evaluates_on_preprocessed_text(tmp_path):
         "--data-path", str(tmp_path / "corpus_text_document"), "--split", "90,10,0",
         "--tokenizer-type", "ByteTokenizer", "--data-cache-path", str(tmp_path / "cache"),
         "--vocab-size", "257", "--train-iters", "30", "--lr", "1e-2", "--lr-decay-style", "constant",
-        "--eval-interval", "15", "--eval-iters", "2", "--log-interval", "15", "--log-json", str(log)))
+        "--eval-interval", "15", "--eval-iters", "2", "--log-interval", "15", "--log-json", str(log),
+        base=[flag for flag in TINY if flag != "--mock-data"]))   # --mock-data would win over --data-path
     history = trainer.train()
+    assert any((tmp_path / "cache").iterdir())           # the indexed dataset was read (its index cached)
     assert history[-1].loss < 0.7 * history[0].loss     # the repeated sentence is learnable
     evals = [json.loads(line) for line in log.read_text().splitlines() if "eval_loss" in line]
     assert len(evals) == 2 and evals[1]["eval_loss"] < evals[0]["eval_loss"]
