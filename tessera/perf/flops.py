@@ -22,6 +22,12 @@ document of n tokens costs n times its own length, not s: the attention term of 
 iteration is 6 * L * q * sum(n^2) over its documents, as Megatron counts packed (THD)
 sequences; `squared_document_lengths` gives that sum.
 
+With multi-latent attention (DeepSeek's MLA) the projections are its down and up
+projections (per token: h*r_q + r_q*n*(d_qk+d_pe) for the query, or h*n*(d_qk+d_pe) without
+a query latent; h*(r_kv+d_pe) + r_kv*n*(d_qk+d_v) for keys and values; n*d_v*h out), and q in
+the attention term becomes n*((d_qk+d_pe) + d_v)/2: the score GEMM is as wide as the query
+heads, the value GEMM as the value heads.
+
 For GPT-3 shapes (q = kv = h, f = 4h) this is 72*B*s*L*h^2 * (1 + s/(12h) + V/(12*L*h)) per
 iteration, the sanity check in Megatron-LM. Megatron before March 2025 counted attention
 without the causal halving (s/(6h) instead of s/(12h)); `causal=False` gives that count.
@@ -72,16 +78,45 @@ def _mlp_params(config: ModelConfig, ffn: int) -> int:
     return (gate + 1) * config.hidden_size * ffn + (gate * ffn + config.hidden_size) * config.add_bias_linear
 
 
+def _attention_projections(config: ModelConfig) -> list[tuple[int, int]]:
+    """(in, out) features of each projection of one attention block, once per token."""
+    h, n = config.hidden_size, config.num_attention_heads
+    if not config.multi_latent_attention:
+        q, kv = n * config.kv_channels, config.num_query_groups * config.kv_channels
+        return [(h, q + 2 * kv), (q, h)]
+    qk = config.qk_head_dim + config.qk_pos_emb_head_dim
+    query = [(h, n * qk)] if config.q_lora_rank is None else [(h, config.q_lora_rank), (config.q_lora_rank, n * qk)]
+    return query + [(h, config.kv_lora_rank + config.qk_pos_emb_head_dim),
+                    (config.kv_lora_rank, n * (config.qk_head_dim + config.v_head_dim)), (n * config.v_head_dim, h)]
+
+
+def _attention_params(config: ModelConfig) -> int:
+    projections = _attention_projections(config)
+    weights = sum(i * o for i, o in projections)
+    if config.multi_latent_attention:   # every projection may carry a bias; the latents' norms
+        biases = sum(o for _, o in projections) * config.add_bias_linear
+        latents = [config.kv_lora_rank] + ([config.q_lora_rank] if config.q_lora_rank else [])
+        norms = sum(_norm_params(config, w) for w in latents) if config.qk_layernorm else 0
+        return weights + biases + norms
+    (_, qkv), _ = projections
+    biases = qkv * (config.add_bias_linear or config.add_qkv_bias) + config.hidden_size * config.add_bias_linear
+    norms = 2 * _norm_params(config, config.kv_channels) if config.qk_layernorm else 0
+    return weights + biases + norms
+
+
+def _core_attention_width(config: ModelConfig) -> int:
+    """Channels of the two attention GEMMs summed over heads, halved: q.k (query/key width)
+    and p.v (value width); without MLA both are the heads' width, so this is q."""
+    if not config.multi_latent_attention:
+        return config.num_attention_heads * config.kv_channels
+    qk = config.qk_head_dim + config.qk_pos_emb_head_dim
+    return config.num_attention_heads * (qk + config.v_head_dim) // 2
+
+
 def layer_parameters(config: ModelConfig) -> list[LayerParameters]:
     """Exact parameters of each block of GPTModel(config)."""
     h = config.hidden_size
-    q = config.num_attention_heads * config.kv_channels
-    kv = config.num_query_groups * config.kv_channels
-    attention = h * (q + 2 * kv) + q * h
-    attention += (q + 2 * kv) * (config.add_bias_linear or config.add_qkv_bias) + h * config.add_bias_linear
-    if config.qk_layernorm:
-        attention += 2 * _norm_params(config, config.kv_channels)
-    common = attention + 2 * _norm_params(config)
+    common = _attention_params(config) + 2 * _norm_params(config)
     dense = LayerParameters(common + _mlp_params(config, config.ffn_hidden_size), 0)
     if config.num_experts is None:
         return [dense] * config.num_layers
@@ -119,12 +154,11 @@ def flops_per_token(config: ModelConfig, seq_length: int | None = None, vocab_si
     """Model FLOPs (forward + backward) per trained token."""
     h, layers = config.hidden_size, config.num_layers
     s = seq_length if seq_length is not None else config.seq_length
-    q = config.num_attention_heads * config.kv_channels
-    kv = config.num_query_groups * config.kv_channels
     vocab = vocab_size if vocab_size is not None else config.padded_vocab_size()
     gated = 3 if config.swiglu else 2
-    linear = layers * (h * (q + 2 * kv) + q * h) + gated * h * sum(_mlp_widths(config)) + h * vocab
-    attention = layers * q * s * (1 if causal else 2)
+    projections = sum(i * o for i, o in _attention_projections(config))
+    linear = layers * projections + gated * h * sum(_mlp_widths(config)) + h * vocab
+    attention = layers * _core_attention_width(config) * s * (1 if causal else 2)
     return 6.0 * (linear + attention)
 
 
@@ -144,5 +178,4 @@ def flops_per_iteration(config: ModelConfig, global_batch_size: int, seq_length:
 
 def _attention_flops(config: ModelConfig, squared_lengths: float, causal: bool) -> float:
     """Core attention (forward + backward) over sequences whose squared lengths sum to `squared_lengths`."""
-    return 6.0 * config.num_layers * config.num_attention_heads * config.kv_channels * squared_lengths \
-        * (1 if causal else 2)
+    return 6.0 * config.num_layers * _core_attention_width(config) * squared_lengths * (1 if causal else 2)

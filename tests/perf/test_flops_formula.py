@@ -123,3 +123,27 @@ def test_published_moe_sizes():
         params = count_parameters(ModelConfig(**PRESETS[name]))
         assert params.total / 1e9 == pytest.approx(total, abs=0.06), name
         assert params.active / 1e9 == pytest.approx(active, abs=0.06), name
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 48])
+def test_mla_parameters_and_flops(q_lora_rank):
+    """MLA: parameters against GPTModel built on meta; FLOPs = 6 x the projections' weights per
+    token (counted from the model's own attention weights) + the core term with the score GEMM
+    as wide as the query heads and the value GEMM as the value heads."""
+    from tessera.models.gpt import GPTModel
+
+    config = ModelConfig(**{**PRESETS["tiny-llama"], "multi_latent_attention": True, "num_query_groups": None,
+                            "group_query_attention": False, "position_embedding_type": "rope", "q_lora_rank": q_lora_rank, "kv_lora_rank": 32,
+                            "qk_head_dim": 16, "qk_pos_emb_head_dim": 8, "v_head_dim": 24, "qk_layernorm": True,
+                            "disable_bias_linear": False})
+    with torch.device("meta"):
+        model = GPTModel(config)
+    assert count_parameters(config).total == sum(p.numel() for p in model.parameters())
+    attention = model.layers[0].attention
+    weights = sum(m.weight.numel() for m in attention.modules() if getattr(m, "weight", None) is not None
+                  and m.weight.dim() == 2)
+    s, n, L, h = config.seq_length, config.num_attention_heads, config.num_layers, config.hidden_size
+    core = n * ((16 + 8) + 24) / 2 * s
+    mlp = 3 * h * config.ffn_hidden_size
+    expected = 6 * (L * (weights + mlp + core) + h * config.padded_vocab_size())
+    assert flops_per_token(config) == pytest.approx(expected, rel=1e-12)
