@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping, TypeVar
 import torch
 import torch.distributed as dist
 
-from tessera.config import SECTIONS
+from tessera.config import SECTIONS, flag
 
 _DEFAULT_PORT = 29500
 T = TypeVar("T")
@@ -254,7 +254,7 @@ def _differences(first: dict, mine: dict) -> list[str]:
         for name, value in fields.items():
             theirs = first.get(section, {}).get(name)
             if theirs != value:
-                shown.append(f"--{name.replace('_', '-')}: {value!r} here, {theirs!r} on rank 0")
+                shown.append(f"{flag(name)}: {value!r} here, {theirs!r} on rank 0")
     return shown[:5] or ["configuration sections differ"]
 
 
