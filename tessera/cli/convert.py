@@ -14,7 +14,8 @@ PROG = "tessera convert"
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="Convert between Hugging Face and tessera checkpoints (Llama 2/3, Mistral, "
-        "Qwen2/2.5, GPT-2, Mixtral, Qwen2-MoE, Qwen3-MoE; local directories only).")
+        "Qwen2/2.5, GPT-2, Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3 with their MTP layers, Moonlight, "
+        "Kimi-K2; local directories only).")
     sub = parser.add_subparsers(dest="direction", required=True)
     to_tessera = sub.add_parser("hf-to-tessera", help="HF directory (config.json + safetensors) -> tessera checkpoint")
     to_tessera.add_argument("--input", required=True, metavar="HF_DIR")

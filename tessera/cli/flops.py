@@ -4,11 +4,12 @@ iteration, and the MFU a speed means."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from tessera.cli.args import build_parser, fail, resolve
 from tessera.config import ConfigError, ModelConfig
-from tessera.perf.flops import count_parameters, flops_per_iteration, flops_per_token
+from tessera.perf.flops import ParamCount, count_parameters, flops_per_iteration, flops_per_token
 from tessera.perf.hardware import GPUS, lookup_gpu
 
 PROG = "tessera flops"
@@ -26,12 +27,29 @@ def _extra(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def main_model_parameters(model: ModelConfig) -> ParamCount:
+    """The parameters without the MTP depths, as model cards count them (DeepSeek-V3's 671B)."""
+    return count_parameters(dataclasses.replace(model, mtp_num_layers=None))
+
+
+def parameter_summary(model: ModelConfig) -> str:
+    """'671.0B parameters (+11.6B in 1 MTP depth), 37.6B active per token' (the parts that apply)."""
+    params, mtp = main_model_parameters(model), count_parameters(model).mtp
+    depths = f" (+{mtp / 1e9:.1f}B in {model.mtp_num_layers} MTP depth{'s' * (model.mtp_num_layers > 1)})" if mtp else ""
+    active = f", {params.active / 1e9:.1f}B active per token" if params.inactive else ""
+    return f"{params.total / 1e9:.1f}B parameters{depths}{active}"
+
+
 def report(model: ModelConfig, args: argparse.Namespace) -> dict:
-    params = count_parameters(model)
+    params = main_model_parameters(model)
     per_iteration = flops_per_iteration(model, args.global_batch_size)
     result = {
         "parameters": params.total, "active_parameters": params.active, "embedding_parameters": params.embedding,
-        "non_embedding_parameters": params.non_embedding, "padded_vocab_size": model.padded_vocab_size(),
+        "non_embedding_parameters": params.non_embedding, "mtp_parameters": count_parameters(model).mtp,
+        # DeepSeek's count of activated parameters: a token reads one row of an untied input embedding
+        "active_parameters_without_input_embedding":
+            params.active - (0 if model.tie_embeddings else model.padded_vocab_size() * model.hidden_size),
+        "padded_vocab_size": model.padded_vocab_size(),
         "seq_length": model.seq_length, "global_batch_size": args.global_batch_size,
         "flops_per_token": flops_per_token(model), "flops_per_iteration": per_iteration,
     }
@@ -63,7 +81,12 @@ def main(argv: list[str]) -> int:
           f"non-embedding {result['non_embedding_parameters'] / 1e9:.3f} B; vocab padded to {result['padded_vocab_size']})")
     if model.num_experts:
         print(f"active per token:   {result['active_parameters'] / 1e9:10.3f} B  "
-              f"({model.moe_router_topk} of {model.num_experts} experts; FLOPs count these)")
+              f"({model.moe_router_topk} of {model.num_experts} experts; FLOPs count these; "
+              f"{result['active_parameters_without_input_embedding'] / 1e9:.3f} B without the input embedding, "
+              "as DeepSeek counts)")
+    if result["mtp_parameters"]:
+        print(f"MTP depths:         {result['mtp_parameters'] / 1e9:10.3f} B  "
+              f"(--mtp-num-layers {model.mtp_num_layers}, beside the above; FLOPs count their work too)")
     print(f"FLOPs per token:    {result['flops_per_token'] / 1e9:10.3f} GFLOP  (forward + backward, seq {model.seq_length})")
     print(f"FLOPs per iteration:{result['flops_per_iteration'] / 1e12:10.3f} TFLOP  (global batch {args.global_batch_size})")
     if "tflops_per_gpu" in result:

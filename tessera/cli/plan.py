@@ -22,7 +22,7 @@ import json
 from tessera.cli.args import build_parser, fail, resolve
 from tessera.config import SECTIONS, ConfigError, ModelConfig, flag
 from tessera.perf.cluster import CLUSTERS, lookup_cluster
-from tessera.perf.flops import count_parameters
+from tessera.cli.flops import parameter_summary
 from tessera.perf.kernels import load_curves
 from tessera.perf.layout import Layout, check_layout
 from tessera.perf.memory import GIB, usable_bytes
@@ -83,7 +83,10 @@ def _fixed_layout(values: dict, args: argparse.Namespace, model: ModelConfig) ->
     dp = gpus // (tp * pp * cp)
     virtual = _virtual_stages(values, args, model, pp) or 1
     mbs = _setting(values, args, "micro_batch_size", 1)
-    layout = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=_setting(values, args, "expert_model_parallel_size", 1),
+    hierarchical = _setting(values, args, "hierarchical_context_parallel_sizes")
+    layout = Layout(tp=tp, pp=pp, dp=dp, cp=cp, cp_comm_type=_setting(values, args, "cp_comm_type", ["p2p"])[0],
+                    cp_a2a_size=hierarchical[0] if hierarchical else None,
+                    ep=_setting(values, args, "expert_model_parallel_size", 1),
                     etp=_setting(values, args, "expert_tensor_parallel_size"),
                     moe_dispatcher=_setting(values, args, "moe_token_dispatcher_type", "allgather"),
                     virtual_stages=virtual, micro_batch_size=mbs,
@@ -122,6 +125,7 @@ def _space(values: dict, args: argparse.Namespace, model: ModelConfig) -> Search
     virtual = _virtual_stages(values, args, model, pp) if pp else None
     return SearchSpace(tp=given("tensor_model_parallel_size"), pp=given("pipeline_model_parallel_size"),
                        cp=given("context_parallel_size"), ep=given("expert_model_parallel_size"),
+                       cp_comm_type=tuple(_setting(values, args, "cp_comm_type") or ()) or None,
                        etp=given("expert_tensor_parallel_size"), moe_dispatcher=given("moe_token_dispatcher_type"),
                        virtual_stages=(virtual,) if virtual else None,
                        micro_batch_size=given("micro_batch_size"), recompute=given("recompute_granularity"),
@@ -214,9 +218,7 @@ def main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps([as_dict(p, model, capacity) for p in results], indent=1))
         return 0
-    params = count_parameters(model)
-    active = f", {params.active / 1e9:.1f}B active per token" if params.inactive else ""
-    print(f"{params.total / 1e9:.1f}B parameters{active}; global batch {batch} x seq {model.seq_length}")
+    print(f"{parameter_summary(model)}; global batch {batch} x seq {model.seq_length}")
     print(f"{cluster.name}; kernel curves: {curves.source}")
     width = max(38, *(len(p.layout.describe()) for p in results))
     print(f"{'layout':<{width}} {'MFU':>6} {'TFLOP/s':>8} {'step s':>8} {'tokens/s':>11} {'GiB/GPU':>8}")

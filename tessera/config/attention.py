@@ -31,7 +31,7 @@ _YARN = "YaRN (--position-embedding-type yarn, or --rope-type yarn)"
 def check_mla(config: "ModelConfig") -> None:
     """Validate the MLA fields (before the key/value groups get their defaults); fill the dimensions."""
     if not config.multi_latent_attention:
-        for name in ("q_lora_rank", *MLA_DEFAULTS):
+        for name in ("q_lora_rank", "latent_norm_epsilon", *MLA_DEFAULTS):
             require(getattr(config, name) is None, f"{flag(name)} needs --multi-latent-attention")
         return
     require(not config.group_query_attention and config.num_query_groups in (None, config.num_attention_heads),
@@ -40,7 +40,16 @@ def check_mla(config: "ModelConfig") -> None:
     for name, default in MLA_DEFAULTS.items():
         if getattr(config, name) is None:
             setattr(config, name, default)
-    positive(config, "q_lora_rank", *MLA_DEFAULTS)
+    positive(config, "q_lora_rank", "latent_norm_epsilon", *MLA_DEFAULTS)
+    # MLA sizes its heads by the three head dims; Megatron ignores --kv-channels, which its
+    # launch scripts set to --qk-head-dim: another value means the dims were read differently.
+    if config.kv_channels is None:
+        config.kv_channels = config.qk_head_dim
+    require(config.kv_channels == config.qk_head_dim,
+            f"--kv-channels ({config.kv_channels}) does not add up with --multi-latent-attention: a query/key head "
+            f"is --qk-head-dim + --qk-pos-emb-head-dim = {config.qk_head_dim} + {config.qk_pos_emb_head_dim} "
+            f"channels and a value head --v-head-dim = {config.v_head_dim}; leave --kv-channels out, or set it to "
+            f"--qk-head-dim as Megatron's scripts do")
     require(config.qk_pos_emb_head_dim % 2 == 0,
             f"--qk-pos-emb-head-dim ({config.qk_pos_emb_head_dim}) must be even: RoPE rotates pairs of channels "
             f"(a query head is --qk-head-dim + --qk-pos-emb-head-dim = {config.qk_head_dim} + "
@@ -90,9 +99,10 @@ def _check_yarn(config: "ModelConfig") -> None:
             f"--rotary-scaling-factor {factor} (YaRN) needs --yarn-original-max-position-embeddings: the context "
             "length before scaling, which sets the correction range (DeepSeek-V3: 4096)")
     positive(config, "yarn_original_max_position_embeddings")
-    require(config.yarn_beta_fast > config.yarn_beta_slow > 0,
-            f"--yarn-beta-fast ({config.yarn_beta_fast}) must exceed --yarn-beta-slow ({config.yarn_beta_slow}), "
-            "and both be positive")
+    # Equal betas give a one-step ramp (both references allow it; Kimi-K2 uses 1 and 1).
+    require(config.yarn_beta_fast >= config.yarn_beta_slow > 0,
+            f"--yarn-beta-fast ({config.yarn_beta_fast}) must exceed --yarn-beta-slow ({config.yarn_beta_slow}) "
+            "or equal it, and both be positive")
     require(config.mscale >= 0 and config.mscale_all_dim >= 0, "--mscale and --mscale-all-dim must be >= 0")
     if config.yarn_correction_range_round_to_int is None:
         config.yarn_correction_range_round_to_int = True

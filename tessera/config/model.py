@@ -9,9 +9,10 @@ from tessera.config.attention import check_mla, check_rope
 from tessera.config.fields import flag, option, positive, require
 from tessera.config.moe import LOAD_BALANCING_TYPES, check_moe, parse_layer_pattern
 
-MOE = "mixture of experts"   # the --help headings of the MoE, MLA and RoPE-scaling flags
+MOE = "mixture of experts"   # the --help headings of the MoE, MLA, RoPE-scaling and MTP flags
 MLA = "multi-latent attention"
 ROPE_SCALING = "RoPE scaling"
+MTP = "multi-token prediction"
 
 @dataclass
 class ModelConfig:
@@ -56,6 +57,9 @@ class ModelConfig:
     qk_pos_emb_head_dim: int | None = option(
         None, "query/key channels per head that carry RoPE, the key's shared by all heads (default 64)", group=MLA)
     v_head_dim: int | None = option(None, "value channels per head (default 128)", group=MLA)
+    latent_norm_epsilon: float | None = option(
+        None, "epsilon of the latents' norms (default --norm-epsilon; Hugging Face's DeepSeek models use 1e-6 "
+        "whatever their rms_norm_eps)", group=MLA)
 
     # RoPE scaling for long contexts (tessera.models.rope): YaRN, or LLaMA-3.1's llama3 scaling.
     rope_type: str | None = option(None, "RoPE frequencies: rope, or yarn (YaRN) (default yarn with "
@@ -120,6 +124,14 @@ class ModelConfig:
     moe_grouped_gemm: bool = option(False, "all local experts in grouped GEMMs instead of a loop over experts",
                                     group=MOE)
 
+    # Multi-token prediction (DeepSeek-V3; Megatron-Core's flags; tessera.models.mtp).
+    mtp_num_layers: int | None = option(
+        None, "multi-token prediction depths after the last layer, depth k predicting token t+k+1 at position t "
+        "(each a projection of the shifted tokens' embedding and the previous hidden state, and one transformer "
+        "layer)", group=MTP)
+    mtp_loss_scaling_factor: float = option(
+        0.1, "weight of the MTP losses: the objective adds this / --mtp-num-layers x each depth's loss", group=MTP)
+
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
             require(getattr(self, name) is not None, f"{flag(name)} is required (or pick --model PRESET)")
@@ -169,12 +181,29 @@ class ModelConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             require(0.0 <= getattr(self, name) < 1.0, f"{flag(name)} must be in [0, 1)")
         check_moe(self)
+        self._check_mtp()
 
-    def moe_layers(self) -> list[bool]:
-        """Per layer: is it a MoE layer (all False for a dense model)."""
+    def _check_mtp(self) -> None:
+        positive(self, "mtp_num_layers")
+        require(self.mtp_loss_scaling_factor >= 0, "--mtp-loss-scaling-factor must be >= 0")
+        # As Megatron: the shifted tokens have no learned positions of their own.
+        require(not self.mtp_num_layers or self.position_embedding_type != "learned_absolute",
+                "--mtp-num-layers needs --position-embedding-type rope, yarn or none (not learned_absolute)")
+
+    def moe_layers(self, with_mtp: bool = False) -> list[bool]:
+        """Per layer: is it a MoE layer (all False for a dense model); `with_mtp` appends the MTP
+        depths' layers, each of the last layer's kind (as Megatron builds and counts them)."""
         if self.num_experts is None:
-            return [False] * self.num_layers
-        return parse_layer_pattern(self.moe_layer_freq, self.num_layers)
+            pattern = [False] * self.num_layers
+        else:
+            pattern = parse_layer_pattern(self.moe_layer_freq, self.num_layers)
+        return pattern + pattern[-1:] * (self.mtp_num_layers or 0) if with_mtp else pattern
+
+    @property
+    def last_stage_embedding(self) -> bool:
+        """Whether the last pipeline stage needs the word embedding too: for a tied output layer,
+        or as the MTP depths' input."""
+        return self.tie_embeddings or bool(self.mtp_num_layers)
 
     @property
     def add_bias_linear(self) -> bool:

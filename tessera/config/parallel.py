@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 from tessera.config.fields import flag, option, positive, require
 
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+
+
 @dataclass
 class ParallelConfig:
     """How the model and the batch are split over GPUs; data parallel takes what remains."""
@@ -13,6 +16,11 @@ class ParallelConfig:
     tensor_model_parallel_size: int = option(1, "tensor-parallel ranks (split each layer's weights)")
     pipeline_model_parallel_size: int = option(1, "pipeline stages (split the layers)")
     context_parallel_size: int = option(1, "context-parallel ranks (split the sequence in attention)")
+    cp_comm_type: list[str] = option(
+        ["p2p"], "how context-parallel attention reaches other ranks' tokens (tessera.parallel.context): one "
+        "value, or one per layer", CP_COMM_TYPES + ("allgather",))
+    hierarchical_context_parallel_sizes: list[int] | None = option(
+        None, "a2a+p2p: the all-to-all group size, then the ring's (their product is --context-parallel-size)")
     expert_model_parallel_size: int = option(1, "expert-parallel ranks (split each MoE layer's experts)")
     expert_tensor_parallel_size: int | None = option(
         None, "tensor-parallel ranks inside each expert (default --tensor-model-parallel-size)")
@@ -54,6 +62,44 @@ class ParallelConfig:
                      f"{flag(name)} needs --pipeline-model-parallel-size > 1")
         require(not (self.use_torch_fsdp2 and self.pipeline_model_parallel_size > 1),
                  "--use-torch-fsdp2 with --pipeline-model-parallel-size > 1 is not supported")
+        self._check_context_parallel()
+
+    def _check_context_parallel(self) -> None:
+        # Megatron's help text spells it allgather, Transformer Engine all_gather: both mean one thing.
+        self.cp_comm_type = ["all_gather" if kind == "allgather" else kind for kind in self.cp_comm_type]
+        sizes, cp = self.hierarchical_context_parallel_sizes, self.context_parallel_size
+        if sizes is not None:
+            require(len(sizes) == 2 and all(size > 0 for size in sizes) and sizes[0] * sizes[1] == cp,
+                    f"--hierarchical-context-parallel-sizes ({' '.join(map(str, sizes))}) must be two positive "
+                    f"sizes whose product is --context-parallel-size ({cp})")
+        require("a2a+p2p" not in self.cp_comm_type or sizes is not None,
+                "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes")
+        unknown = sorted(set(self.cp_comm_type) - set(CP_COMM_TYPES))
+        require(not unknown, f"--cp-comm-type {' '.join(unknown)}: choose from {', '.join(CP_COMM_TYPES)}")
+
+    def check_context_parallel_model(self, model) -> None:
+        """What context parallelism asks of the model (a ModelConfig) and its sequence."""
+        cp, tp, kinds = self.context_parallel_size, self.tensor_model_parallel_size, self.cp_comm_type
+        require(len(kinds) in (1, model.num_layers),
+                f"--cp-comm-type: give one value or one per layer (--num-layers {model.num_layers}), got {len(kinds)}")
+        if cp == 1:
+            return
+        seq = model.seq_length
+        require(seq % (2 * cp) == 0,
+                f"--seq-length ({seq}) must be divisible by 2 x --context-parallel-size ({cp})")
+        require(not self.sequence_parallel or (seq // cp) % tp == 0,
+                f"--seq-length ({seq}) / --context-parallel-size ({cp}) must be divisible by "
+                f"--tensor-model-parallel-size ({tp}) under --sequence-parallel")
+        require(model.attention_dropout == 0,
+                "--attention-dropout > 0 with --context-parallel-size > 1 is not supported (set it to 0)")
+        heads = model.num_attention_heads // tp
+        groups = heads if model.multi_latent_attention else max(model.num_query_groups // tp, 1)
+        for kind, ranks, flag_name in (("a2a", cp, "--context-parallel-size"),
+                                       ("a2a+p2p", (self.hierarchical_context_parallel_sizes or [1])[0],
+                                        "the first --hierarchical-context-parallel-sizes")):
+            require(kind not in kinds or (heads % ranks == 0 and groups % ranks == 0),
+                    f"--cp-comm-type {kind}: attention heads ({heads}) and KV groups ({groups}) per "
+                    f"--tensor-model-parallel-size rank must be divisible by {flag_name} ({ranks})")
 
     def virtual_pipeline_size(self, num_layers: int) -> int:
         """Model chunks per pipeline rank (1 without interleaving)."""

@@ -56,6 +56,12 @@ class RunConfig:
             f"--tensor-model-parallel-size ({tp})",
         )
         parallel.virtual_pipeline_size(model.num_layers)  # checks --num-layers-per-virtual-pipeline-stage
+        parallel.check_context_parallel_model(model)
+        # Each context-parallel rank holds pieces of the sequence: the tokens a depth shifts in
+        # would come from another rank's piece.
+        require(not model.mtp_num_layers or parallel.context_parallel_size == 1,
+                "--mtp-num-layers with --context-parallel-size > 1 is not supported (the MTP depths' shifted "
+                "tokens cross the context-parallel split)")
         self._check_experts()
         if train.recompute_granularity == "full" and train.recompute_method == "uniform":
             require(

@@ -63,7 +63,8 @@ class TrainConfig:
     fp8_format: str | None = option(None, "FP8 GEMMs in the transformer layers' linears: e4m3 everywhere, or hybrid "
                                     "(E5M2 gradients); needs --bf16 and an FP8 GPU", ("e4m3", "hybrid"), group=FP8)
     fp8_recipe: str = option("delayed", "FP8 scaling: per tensor from this step's amax (tensorwise) or from the "
-                             "amax history (delayed)", ("tensorwise", "delayed", "blockwise", "mxfp8"), group=FP8)
+                             "amax history (delayed), or per 1x128 tile / 128x128 weight block (blockwise, "
+                             "DeepSeek-V3's; e4m3, Hopper)", ("tensorwise", "delayed", "blockwise", "mxfp8"), group=FP8)
     fp8_margin: int = option(0, "delayed scaling: scale down by 2^margin for headroom", group=FP8)
     fp8_amax_history_len: int = option(1, "delayed scaling: steps of amax history", group=FP8)
     fp8_amax_compute_algo: str = option("most_recent", "delayed scaling: the amax a scale comes from",
@@ -117,10 +118,10 @@ class TrainConfig:
         if self.fp8_format is None:
             return
         require(self.bf16, "--fp8-format needs --bf16 (the FP8 GEMMs read and return bf16)")
-        require(self.fp8_recipe in ("tensorwise", "delayed"),
-                f"--fp8-recipe {self.fp8_recipe}: not implemented yet (tensorwise and delayed are)"
-                if self.fp8_recipe == "blockwise" else
-                "--fp8-recipe mxfp8 needs a Blackwell GPU (MXFP8 tensor cores); use tensorwise or delayed on Hopper")
+        require(self.fp8_recipe != "mxfp8", "--fp8-recipe mxfp8 needs a Blackwell GPU (MXFP8 tensor cores); "
+                "use tensorwise, delayed or blockwise on Hopper")
+        require(self.fp8_recipe != "blockwise" or self.fp8_format == "e4m3",
+                "--fp8-recipe blockwise needs --fp8-format e4m3 (cuBLAS's block-scaled GEMMs take E4M3 operands only)")
         require(not (self.first_last_layers_bf16 and self.fp8_recipe == "delayed"),
                 "--first-last-layers-bf16 does not combine with --fp8-recipe delayed (as in Megatron)")
         require(self.fp8_margin >= 0 and self.num_layers_at_start_in_bf16 >= 0 and self.num_layers_at_end_in_bf16 >= 0,

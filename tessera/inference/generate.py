@@ -1,38 +1,32 @@
-"""Sampling text from a trained model: temperature and top-k, one token at a time.
+"""Continue a batch of prompts in one call: a thin wrapper over the Engine for scripts and demos.
 
-Each new token re-runs the model over the whole sequence (no KV cache yet): simple and
-exact, and fast enough for the small models of demos and tests.
+    tokens = generate(model, prompt_ids, max_new_tokens=24, temperature=0)   # [batch, len + new]
+
+Every row is generated to `max_new_tokens` (no end-of-sequence stop), so the rows stay one
+tensor. The engine runs eagerly here (no CUDA graphs, nothing compiled): quick to start
+for a few prompts. For serving, stop tokens and speed, use tessera.inference.engine.Engine.
 """
 
 from __future__ import annotations
 
 import torch
 
+from tessera.inference.engine import Engine
+from tessera.inference.sampling import SamplingParams
 from tessera.models.gpt import GPTModel
 
 
-@torch.no_grad()
 def generate(model: GPTModel, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
-             top_k: int | None = None, vocab_size: int | None = None,
-             generator: torch.Generator | None = None) -> torch.Tensor:
+             top_k: int | None = None, vocab_size: int | None = None, seed: int = 0) -> torch.Tensor:
     """Continue `prompt` [batch, len] by `max_new_tokens` tokens; temperature 0 is greedy.
 
-    `vocab_size` excludes the padding rows of the output layer from sampling.
+    `vocab_size` (default the model config's) excludes the output layer's padding rows.
     """
     was_training = model.training
-    model.eval()
-    tokens = prompt
-    limit = model.config.max_position_embeddings
-    for _ in range(max_new_tokens):
-        logits = model(tokens[:, -limit:])[:, -1, :vocab_size].float()
-        if temperature == 0:
-            next_token = logits.argmax(dim=-1, keepdim=True)
-        else:
-            logits = logits / temperature
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            next_token = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
-        tokens = torch.cat([tokens, next_token], dim=1)
+    engine = Engine(model, max_requests=prompt.shape[0], seed=seed, prefix_caching=False, cuda_graphs=False,
+                    compile=False, vocab_size=vocab_size)
+    params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k or 0)
+    completions = engine.generate(prompt.tolist(), params)
     model.train(was_training)
-    return tokens
+    new = torch.tensor([c.token_ids for c in completions], dtype=prompt.dtype, device=prompt.device)
+    return torch.cat([prompt, new], dim=1)

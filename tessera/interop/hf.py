@@ -7,9 +7,14 @@
 Tessera fuses what HF keeps apart: q, k and v rows into one `qkv` weight and Llama's
 gate and up projections into `fc1` ([gate; up], the order tessera's SwiGLU chunks in).
 GPT-2 stores linear weights as Conv1D ([in, out]); tessera as nn.Linear ([out, in]).
-MoE experts (Mixtral, Qwen2-MoE, Qwen3-MoE) are stacked per layer, fc1 [E, 2I, H] and fc2
-[E, H, I]: import reads the per-expert files of every checkpoint and transformers 5's
+MoE experts (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek) are stacked per layer, fc1 [E, 2I, H]
+and fc2 [E, H, I]: import reads the per-expert files of every checkpoint and transformers 5's
 fused in-memory layout alike; export writes the per-expert layout transformers writes.
+DeepSeek's multi-latent attention maps in tessera.interop.hf_deepseek; its expert bias
+(e_score_correction_bias, kept fp32 as transformers keeps it) is the router's, and its
+multi-token prediction layers (model.layers.{num_hidden_layers + d - 1}, which transformers'
+model skips on load) are tessera's MTP depths, the shared embedding and output layer written
+back as the copies the checkpoints hold.
 The vocabulary is padded for tensor parallelism on import (zero rows, never a target)
 and cut back on export, so HF -> tessera -> HF gives back every tensor bit for bit.
 Only local directories are read: nothing is downloaded.
@@ -17,6 +22,7 @@ Only local directories are read: nothing is downloaded.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -24,7 +30,8 @@ from pathlib import Path
 import torch
 
 from tessera.config import ModelConfig
-from tessera.interop.hf_config import hf_config_from_model, infer_family, model_config_from_hf
+from tessera.interop import hf_deepseek
+from tessera.interop.hf_config import UnsupportedModel, hf_config_from_model, infer_family, model_config_from_hf
 
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -36,8 +43,12 @@ _GPT2_LINEARS = (("attn.c_attn", "attention.qkv"), ("attn.c_proj", "attention.pr
 # transformers 5 fuses the experts in memory (mlp.experts.gate_up_proj [E, 2I, H] = [gate; up],
 # mlp.experts.down_proj [E, H, I]) and writes these names back unless save_original_format=False.
 _EXPERT_NAMES = {"mixtral": ("block_sparse_moe.", "w1", "w3", "w2"),
-                 "qwen2_moe": ("mlp.", "gate_proj", "up_proj", "down_proj"),
-                 "qwen3_moe": ("mlp.", "gate_proj", "up_proj", "down_proj")}
+                 **dict.fromkeys(("qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "kimi_k2"),
+                                 ("mlp.", "gate_proj", "up_proj", "down_proj"))}
+# The shared expert's module in each family that has one (Qwen2-MoE's is gated).
+_SHARED_EXPERTS = {"qwen2_moe": "mlp.shared_expert.",
+                   **dict.fromkeys(("deepseek_v2", "deepseek_v3", "kimi_k2"), "mlp.shared_experts.")}
+_EXPERT_BIAS = "gate.e_score_correction_bias"
 
 
 # -- reading and writing HF directories ---------------------------------------------
@@ -120,13 +131,11 @@ def tessera_state_from_hf(hf_config: dict, hf: dict[str, torch.Tensor], model: M
         out["final_norm.weight"], out["final_norm.bias"] = hf["ln_f.weight"], hf["ln_f.bias"]
     else:
         out["embedding.weight"] = _pad_rows(hf["model.embed_tokens.weight"], vocab)
-        for i, moe in enumerate(model.moe_layers()):
-            src, dst = f"model.layers.{i}.", f"layers.{i}."
-            out.update(_attention_from_hf(hf, src, dst, model))
-            if moe:
-                out.update(_moe_from_hf(hf, src, dst + "mlp.", model, hf_config["model_type"]))
-            else:
-                out[dst + "mlp.fc1.weight"], out[dst + "mlp.fc2.weight"] = _swiglu_from_hf(hf, src + "mlp.")
+        for i, moe in enumerate(model.moe_layers(with_mtp=True)):
+            src, dst = f"model.layers.{i}.", f"layers.{i}." if i < model.num_layers else _mtp_prefix(model, i)
+            out.update(_block_from_hf(hf, src, dst, model, hf_config["model_type"], moe))
+            if i >= model.num_layers:
+                out.update(_mtp_from_hf(hf, src, dst))
         out["final_norm.weight"] = hf["model.norm.weight"]
         if model.untie_embeddings_and_output_weights:
             out["output_weight"] = _pad_rows(hf["lm_head.weight"], vocab)
@@ -152,27 +161,85 @@ def hf_state_from_tessera(state: dict[str, torch.Tensor], model: ModelConfig, fa
         out["transformer.ln_f.weight"], out["transformer.ln_f.bias"] = state["final_norm.weight"], state["final_norm.bias"]
     else:
         out["model.embed_tokens.weight"] = state["embedding.weight"][:vocab]
-        for i, moe in enumerate(model.moe_layers()):
-            src, dst = f"layers.{i}.", f"model.layers.{i}."
-            out.update(_attention_to_hf(state, src, dst, model))
-            if moe:
-                out.update(_moe_to_hf(state, src + "mlp.", dst, model, family))
-            else:
-                out.update(_swiglu_to_hf(state, src + "mlp.", dst + "mlp."))
+        head = state["output_weight" if model.untie_embeddings_and_output_weights else "embedding.weight"][:vocab]
+        for i, moe in enumerate(model.moe_layers(with_mtp=True)):
+            src, dst = f"layers.{i}." if i < model.num_layers else _mtp_prefix(model, i), f"model.layers.{i}."
+            out.update(_block_to_hf(state, src, dst, model, family, moe))
+            if i >= model.num_layers:
+                out.update(_mtp_to_hf(state, src, dst, out["model.embed_tokens.weight"], head))
         out["model.norm.weight"] = state["final_norm.weight"]
         if model.untie_embeddings_and_output_weights:
-            out["lm_head.weight"] = state["output_weight"][:vocab]
-    return {name: t.to(dtype).contiguous() for name, t in out.items()}
+            out["lm_head.weight"] = head
+    return {name: t.to(torch.float32 if name.endswith(_EXPERT_BIAS) else dtype).contiguous()
+            for name, t in out.items()}
 
 
-# -- one Llama-like layer: attention, dense MLP, MoE --------------------------------------
+# -- one Llama-like layer, and the multi-token prediction depths around one ------------------
+
+def _block_from_hf(hf: dict[str, torch.Tensor], src: str, dst: str, model: ModelConfig, family: str,
+                   moe: bool) -> dict:
+    out = _attention_from_hf(hf, src, dst, model)
+    if moe:
+        out.update(_moe_from_hf(hf, src, dst + "mlp.", model, family))
+    else:
+        out[dst + "mlp.fc1.weight"], out[dst + "mlp.fc2.weight"] = _swiglu_from_hf(hf, src + "mlp.")
+    return out
+
+
+def _block_to_hf(state: dict[str, torch.Tensor], src: str, dst: str, model: ModelConfig, family: str,
+                 moe: bool) -> dict:
+    out = _attention_to_hf(state, src, dst, model)
+    out.update(_moe_to_hf(state, src + "mlp.", dst, model, family) if moe
+               else _swiglu_to_hf(state, src + "mlp.", dst + "mlp."))
+    return out
+
+
+def _mtp_prefix(model: ModelConfig, index: int) -> str:
+    """tessera's prefix of the transformer layer of the MTP depth stored as HF layer `index`."""
+    return f"mtp.layers.{index - model.num_layers}.layer."
+
+
+# An MTP depth's own modules: HF (model.layers.L.) -> tessera (mtp.layers.{d-1}.), beside its layer.
+_MTP_NAMES = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+              "shared_head.norm.weight": "final_norm.weight"}
+
+
+def _mtp_from_hf(hf: dict[str, torch.Tensor], src: str, dst: str) -> dict:
+    depth = dst.removesuffix("layer.")
+    head = "lm_head.weight" if "lm_head.weight" in hf else "model.embed_tokens.weight"   # tied: one matrix
+    for copy, shared in (("embed_tokens.weight", "model.embed_tokens.weight"), ("shared_head.head.weight", head)):
+        if src + copy in hf and not torch.equal(hf[src + copy], hf[shared]):
+            raise UnsupportedModel(f"{src}{copy} differs from {shared}: tessera's MTP depths share the main model's")
+    return {depth + name: hf[src + hf_name] for hf_name, name in _MTP_NAMES.items()}
+
+
+def _mtp_to_hf(state: dict[str, torch.Tensor], src: str, dst: str, embedding: torch.Tensor,
+               head: torch.Tensor) -> dict:
+    depth = src.removesuffix("layer.")
+    out = {dst + hf_name: state[depth + name] for hf_name, name in _MTP_NAMES.items()}
+    out[dst + "embed_tokens.weight"], out[dst + "shared_head.head.weight"] = embedding.clone(), head.clone()
+    return out
+
+
+def _with_mtp_layers(config: ModelConfig, hf_config: dict, tensors: dict[str, torch.Tensor]) -> ModelConfig:
+    """`config` with the multi-token prediction depths the checkpoint holds after its last layer:
+    the tensors decide, since HF's DeepSeek config says num_nextn_predict_layers 1 by default."""
+    depths = 0
+    while f"model.layers.{hf_config.get('num_hidden_layers', 0) + depths}.eh_proj.weight" in tensors:
+        depths += 1
+    return dataclasses.replace(config, mtp_num_layers=depths) if depths else config
+
+
+# -- attention, dense MLP, MoE ---------------------------------------------------------------
 
 def _attention_from_hf(hf: dict[str, torch.Tensor], src: str, dst: str, model: ModelConfig) -> dict:
     attn = src + "self_attn."
     out = {dst + "input_norm.weight": hf[src + "input_layernorm.weight"],
-           dst + "post_attention_norm.weight": hf[src + "post_attention_layernorm.weight"],
-           dst + "attention.qkv.weight": torch.cat([hf[f"{attn}{p}_proj.weight"] for p in "qkv"]),
-           dst + "attention.proj.weight": hf[attn + "o_proj.weight"]}
+           dst + "post_attention_norm.weight": hf[src + "post_attention_layernorm.weight"]}
+    if model.multi_latent_attention:
+        return {**out, **hf_deepseek.attention_from_hf(hf, src, dst)}
+    out.update({dst + "attention.qkv.weight": torch.cat([hf[f"{attn}{p}_proj.weight"] for p in "qkv"]),
+                dst + "attention.proj.weight": hf[attn + "o_proj.weight"]})
     if model.add_qkv_bias:
         out[dst + "attention.qkv.bias"] = torch.cat([hf[f"{attn}{p}_proj.bias"] for p in "qkv"])
     if model.qk_layernorm:
@@ -186,8 +253,10 @@ def _attention_to_hf(state: dict[str, torch.Tensor], src: str, dst: str, model: 
     q = model.num_attention_heads * model.kv_channels
     kv = model.num_query_groups * model.kv_channels
     out = {dst + "input_layernorm.weight": state[src + "input_norm.weight"],
-           dst + "post_attention_layernorm.weight": state[src + "post_attention_norm.weight"],
-           attn + "o_proj.weight": state[src + "attention.proj.weight"]}
+           dst + "post_attention_layernorm.weight": state[src + "post_attention_norm.weight"]}
+    if model.multi_latent_attention:
+        return {**out, **hf_deepseek.attention_to_hf(state, src, dst)}
+    out[attn + "o_proj.weight"] = state[src + "attention.proj.weight"]
     for p, part in zip("qkv", state[src + "attention.qkv.weight"].split([q, kv, kv])):
         out[f"{attn}{p}_proj.weight"] = part
     if model.add_qkv_bias:
@@ -222,9 +291,12 @@ def _moe_from_hf(hf: dict[str, torch.Tensor], src: str, dst: str, model: ModelCo
         fc1 = torch.stack([torch.cat([hf[f"{e}{gate}.weight"], hf[f"{e}{up}.weight"]]) for e in experts])
         fc2 = torch.stack([hf[f"{e}{down}.weight"] for e in experts])
     out = {dst + "router.weight": hf[f"{src}{prefix}gate.weight"], dst + "experts.fc1": fc1, dst + "experts.fc2": fc2}
+    if model.moe_router_enable_expert_bias:
+        out[dst + "router.expert_bias"] = hf[f"{src}{prefix}{_EXPERT_BIAS}"]
     if model.moe_shared_expert_intermediate_size:
-        shared = _swiglu_from_hf(hf, src + "mlp.shared_expert.")
+        shared = _swiglu_from_hf(hf, src + _SHARED_EXPERTS[family])
         out[dst + "shared_expert.fc1.weight"], out[dst + "shared_expert.fc2.weight"] = shared
+    if model.moe_shared_expert_gate:
         out[dst + "shared_expert_gate"] = hf[src + "mlp.shared_expert_gate.weight"]
     return out
 
@@ -233,12 +305,17 @@ def _moe_to_hf(state: dict[str, torch.Tensor], src: str, dst: str, model: ModelC
     """The per-expert layout transformers writes by default (and loads into its fused experts)."""
     prefix, gate, up, down = _EXPERT_NAMES[family]
     out = {f"{dst}{prefix}gate.weight": state[src + "router.weight"]}
+    if family in hf_deepseek.V3_ROUTER:   # always there: zeros when tessera selects on unbiased scores
+        bias = state.get(src + "router.expert_bias")
+        out[f"{dst}{prefix}{_EXPERT_BIAS}"] = bias if bias is not None else state[src + "router.weight"].new_zeros(
+            model.num_experts)
     for j, (fc1, fc2) in enumerate(zip(state[src + "experts.fc1"], state[src + "experts.fc2"])):
         expert = f"{dst}{prefix}experts.{j}."
         out[f"{expert}{gate}.weight"], out[f"{expert}{up}.weight"] = fc1.chunk(2)
         out[f"{expert}{down}.weight"] = fc2
     if model.moe_shared_expert_intermediate_size:
-        out.update(_swiglu_to_hf(state, src + "shared_expert.", dst + "mlp.shared_expert."))
+        out.update(_swiglu_to_hf(state, src + "shared_expert.", dst + _SHARED_EXPERTS[family]))
+    if model.moe_shared_expert_gate:
         out[dst + "mlp.shared_expert_gate.weight"] = state[src + "shared_expert_gate"]
     return out
 
@@ -251,7 +328,7 @@ def load_hf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device:
     from tessera.models.gpt import GPTModel
 
     hf_config, tensors = read_hf_dir(path)
-    config = model_config_from_hf(hf_config, vocab_multiple=1)
+    config = _with_mtp_layers(model_config_from_hf(hf_config, vocab_multiple=1), hf_config, tensors)
     with torch.device(device):
         model = GPTModel(config)
     model.load_state_dict(tessera_state_from_hf(hf_config, tensors, config), strict=True)
@@ -263,7 +340,7 @@ def hf_to_tessera(hf_dir: str | os.PathLike, checkpoint_dir: str | os.PathLike, 
     from tessera.training.checkpoint import save_model_checkpoint
 
     hf_config, tensors = read_hf_dir(hf_dir)
-    config = model_config_from_hf(hf_config, vocab_multiple=vocab_multiple)
+    config = _with_mtp_layers(model_config_from_hf(hf_config, vocab_multiple=vocab_multiple), hf_config, tensors)
     save_model_checkpoint(checkpoint_dir, config, tessera_state_from_hf(hf_config, tensors, config),
                           extra_files={"hf_config.json": json.dumps(hf_config, indent=2, sort_keys=True)})
 

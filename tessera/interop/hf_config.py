@@ -2,7 +2,9 @@
 
 Families: Llama (2, 3), Mistral (without a sliding window), Qwen2/2.5 (QKV bias), GPT-2,
 and three Mixture-of-Experts families: Mixtral, Qwen2-MoE (also Qwen1.5-MoE: QKV bias, a
-sigmoid-gated shared expert) and Qwen3-MoE (per-head QK norm). Anything the tessera
+sigmoid-gated shared expert) and Qwen3-MoE (per-head QK norm); DeepSeek-V2 and -V3 (and
+Kimi-K2's checkpoints, DeepSeek-V3's code) with multi-latent attention, their fields in
+tessera.interop.hf_deepseek. Anything the tessera
 model would compute differently (a RoPE scaling other than llama3 or yarn, a sliding
 window, biases tessera has no place for, another activation, router jitter) is refused
 with a message naming the HF field, rather than converted into a model that silently
@@ -34,7 +36,10 @@ from tessera.models.rope import Llama3Scaling, YarnScaling, rope_scaling
 LLAMA_LIKE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
               "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
-FAMILIES = (*LLAMA_LIKE, "gpt2")
+# Multi-latent attention families (tessera.interop.hf_deepseek): model_type -> architecture
+DEEPSEEK_FAMILIES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                     "kimi_k2": "DeepseekV3ForCausalLM"}
+FAMILIES = (*LLAMA_LIKE, *DEEPSEEK_FAMILIES, "gpt2")
 _GPT2_ACTIVATIONS = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu": False}  # -> openai_gelu
 _QKV_BIAS = ("qwen2", "qwen2_moe")
 # Families whose sliding window is off unless use_sliding_window says otherwise.
@@ -136,6 +141,10 @@ def model_config_from_hf(hf: dict[str, Any], *, vocab_multiple: int = 128) -> Mo
     family = hf.get("model_type")
     if family == "gpt2":
         return _gpt2_config(hf, vocab_multiple)
+    if family in DEEPSEEK_FAMILIES:
+        from tessera.interop import hf_deepseek   # it builds on this module
+
+        return hf_deepseek.model_config_from_hf(hf, vocab_multiple)
     if family not in LLAMA_LIKE:
         raise UnsupportedModel(f"model_type '{family}' is not supported; tessera converts {', '.join(FAMILIES)}")
     defaults = _DEFAULTS.get(family, {})
@@ -255,6 +264,10 @@ def _gpt2_config(hf: dict[str, Any], vocab_multiple: int) -> ModelConfig:
 
 def infer_family(model: ModelConfig) -> str:
     """The HF family that computes what this tessera config computes."""
+    if model.multi_latent_attention:
+        from tessera.interop import hf_deepseek
+
+        return hf_deepseek.family_of(model)
     if model.position_embedding_type == "learned_absolute" and model.normalization == "LayerNorm" \
             and not model.swiglu and model.add_bias_linear:
         return "gpt2"
@@ -290,7 +303,8 @@ def hf_config_from_model(model: ModelConfig, family: str, base: dict[str, Any] |
     where tessera has no opinion (token ids, tokenizer class, ...)."""
     if family not in FAMILIES:
         raise UnsupportedModel(f"unknown family '{family}'; choose one of {', '.join(FAMILIES)}")
-    if family != infer_family(model) and {family, infer_family(model)} != {"llama", "mistral"}:
+    same = ({"llama", "mistral"}, {"deepseek_v3", "kimi_k2"})   # one computation, two names
+    if family != infer_family(model) and {family, infer_family(model)} not in same:
         raise UnsupportedModel(f"this model is a {infer_family(model)} model, not {family}")
     hf = dict(base or {})
     if base is not None and base.get("model_type") != family:
@@ -308,7 +322,7 @@ def hf_config_from_model(model: ModelConfig, family: str, base: dict[str, Any] |
         # The imported config's other RoPE keys (none of them scaling ones) are kept.
         rope = {**{k: v for k, v in (hf.get("rope_parameters") or {}).items() if k not in _ROPE_SCALING_KEYS}, **rope}
         hf.update(
-            architectures=[LLAMA_LIKE[family]], model_type=family, num_hidden_layers=model.num_layers,
+            architectures=[LLAMA_LIKE.get(family)], model_type=family, num_hidden_layers=model.num_layers,
             hidden_size=model.hidden_size, intermediate_size=model.ffn_hidden_size,
             num_attention_heads=model.num_attention_heads, num_key_value_heads=model.num_query_groups,
             head_dim=model.kv_channels, max_position_embeddings=model.max_position_embeddings,
@@ -324,6 +338,10 @@ def hf_config_from_model(model: ModelConfig, family: str, base: dict[str, Any] |
             hf.setdefault("sliding_window", None)
         if family in MOE_FAMILIES:
             _write_moe_fields(hf, model, family)
+        if family in DEEPSEEK_FAMILIES:
+            from tessera.interop import hf_deepseek
+
+            hf_deepseek.write_fields(hf, model, family)
     hf["initializer_range"] = model.init_method_std
     hf["dtype"] = hf["torch_dtype"] = dtype
     return hf

@@ -12,6 +12,7 @@ this step's amax for the next. Written here rather than taken from torchao becau
 linears are its own tensor-parallel modules (torchao swaps nn.Linear), and delayed scaling
 needs its amaxes reduced over the model-parallel ranks once per step, which torchao no longer
 offers. torch.compile fuses each amax and cast into the neighbouring elementwise kernels.
+Scales per 1x128 tile and 128x128 block (`blockwise`) live in tessera.kernels.fp8_blockwise.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class Fp8Recipe:
     """What --fp8-format / --fp8-recipe and their knobs ask of every FP8 linear layer."""
 
     format: str = "hybrid"            # e4m3 everywhere, or hybrid (E5M2 gradients)
-    recipe: str = "tensorwise"        # tensorwise (current scaling) or delayed
+    recipe: str = "tensorwise"        # tensorwise (current scaling), delayed or blockwise (fp8_blockwise.py)
     margin: int = 0
     amax_history_len: int = 1
     amax_compute_algo: str = "most_recent"   # or "max" over the history
@@ -57,6 +58,17 @@ class Fp8Recipe:
     @property
     def grad_dtype(self) -> torch.dtype:
         return E5M2 if self.format == "hybrid" else E4M3
+
+
+def linear_by(matmul: type[torch.autograd.Function], layer: nn.Module, x: torch.Tensor, weight: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear through an FP8 GEMM function of (2-D input, weight, layer, output dtype): the output is
+    in autocast's dtype where autocast is on, as F.linear's would be."""
+    shape = x.shape
+    out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    y = matmul.apply(x.reshape(-1, shape[-1]), weight, layer, out_dtype)
+    y = y.reshape(*shape[:-1], weight.shape[0])
+    return y if bias is None else y + bias.to(y.dtype)
 
 
 class Fp8Linear(nn.Module):
@@ -81,11 +93,7 @@ class Fp8Linear(nn.Module):
         self.calibrated = False   # delayed: the first step, with no history yet, scales by its own amax
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        shape = x.shape
-        out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        y = _Fp8Matmul.apply(x.reshape(-1, shape[-1]), weight, self, out_dtype)
-        y = y.reshape(*shape[:-1], weight.shape[0])
-        return y if bias is None else y + bias.to(y.dtype)
+        return linear_by(_Fp8Matmul, self, x, weight, bias)
 
     def scale(self, role: int, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """This operand's scale; with delayed scaling also records its amax for the next step."""

@@ -3,11 +3,16 @@
 Heads and KV groups are split over tensor-parallel ranks (KV groups replicated when there
 are fewer groups than ranks); under sequence parallelism the input is a sequence shard
 and the QKV projection all-gathers it. With packed documents (tessera.models.documents)
-each token attends within its own document only.
+each token attends within its own document only; in generation the same `documents` slot
+holds a layer's view of the paged KV cache (tessera.inference.paged_attention.LayerCache),
+whose `attend` stores k and v and attends over the cached context. Under context
+parallelism the sequence is split over ranks and attention reaches the others' tokens
+(tessera.parallel.context).
 """
 
 from __future__ import annotations
 
+import functools
 from contextlib import nullcontext
 
 import torch
@@ -18,6 +23,7 @@ from tessera.config import ConfigError, ModelConfig
 from tessera.models.documents import Documents
 from tessera.models.norm import build_norm
 from tessera.models.rope import apply_rotary
+from tessera.parallel.context import ContextAttention
 from tessera.parallel.random import DropoutRNG, checkpoint
 from tessera.parallel.sharding import rank_and_size
 from tessera.parallel.tensor import ColumnParallelLinear, RowParallelLinear
@@ -27,7 +33,7 @@ class Attention(nn.Module):
     """Causal self-attention with fused QKV projection, GQA/MQA and SDPA kernels."""
 
     def __init__(self, config: ModelConfig, output_std: float, *, tp_group=None, sequence_parallel: bool = False,
-                 rng: DropoutRNG | None = None, recompute_core: bool = False):
+                 rng: DropoutRNG | None = None, recompute_core: bool = False, context: ContextAttention | None = None):
         super().__init__()
         _, tp_size = rank_and_size(tp_group)
         heads, groups = config.num_attention_heads, config.num_query_groups
@@ -40,6 +46,7 @@ class Attention(nn.Module):
         self.dropout = config.attention_dropout
         self.rng = rng  # attention probabilities of this rank's heads: a dropout mask of their own
         self.recompute_core = recompute_core
+        self.context = context   # context parallelism: this rank's queries attend over the whole sequence
         q, kv = heads * self.head_dim, groups * self.head_dim
         kv_splits = min(groups, tp_size)
         self.qkv = ColumnParallelLinear(
@@ -63,7 +70,7 @@ class Attention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         with self.rng.fork(q.device) if dropout_p > 0 and self.rng is not None else nullcontext():
             return core_attention(q, k, v, documents, dropout_p=dropout_p,
-                                  enable_gqa=self.num_groups != self.num_heads)
+                                  enable_gqa=self.num_groups != self.num_heads, context=self.context)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 documents: Documents | None = None) -> torch.Tensor:
@@ -92,8 +99,14 @@ def attend_and_project(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: to
 
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None, *,
-                   dropout_p: float, enable_gqa: bool = False, scale: float | None = None) -> torch.Tensor:
-    """Causal attention over the whole sequence (SDPA), or within each packed document."""
+                   dropout_p: float, enable_gqa: bool = False, scale: float | None = None,
+                   context: ContextAttention | None = None) -> torch.Tensor:
+    """Causal attention over the whole sequence (SDPA), or within each packed document; under
+    context parallelism (`context`) q, k, v hold this rank's pieces of the sequence, and
+    `documents` says how they were cut (tessera.parallel.context_split.SplitDocuments)."""
+    if context is not None:
+        return context.attend(q, k, v, documents, scale=scale, full_attention=functools.partial(
+            core_attention, dropout_p=dropout_p, enable_gqa=enable_gqa, scale=scale))
     if documents is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=enable_gqa,
                                               scale=scale)

@@ -7,20 +7,29 @@ layer) and LLaMA/Qwen/Mistral (RoPE, RMSNorm, SwiGLU, GQA, no biases, untied out
     logits = model(input_ids)                 # [batch, seq, padded vocab], on every TP rank
     loss = model(input_ids, labels=labels)    # per-token loss [batch, seq], fp32, on every TP rank
     loss = model(input_ids, labels=labels, position_ids=positions, documents=documents)  # packed samples
+    losses = model(input_ids, labels=labels, mtp=True)  # [1 + MTP depths, batch, seq]: LM, then each depth
 
 With tensor parallelism the vocabulary is split too: the loss is computed from each
 rank's slice of the logits, which are gathered only when the caller asks for logits.
 With sequence parallelism the embedding reduce-scatters to sequence shards, the blocks
 keep them, and the head all-gathers the sequence before the output layer.
 
+Under context parallelism (`context_parallel`, tessera.parallel.context) every tensor along
+the sequence holds this rank's chunks of it, position ids (default: those of the chunks)
+too, so RoPE and learned positions follow the tokens.
+
 A MoE model (--num-experts) has MoELayers in place of the MLP in the layers --moe-layer-freq
 names; `expert_groups` gives them the expert-parallel process groups.
+
+With --mtp-num-layers the model ends in multi-token prediction depths (tessera.models.mtp)
+after the final norm, sharing the embedding and the output layer; `mtp=True` returns their
+per-token losses beside the LM's (the trainer weights them, tessera.training.losses).
 
 A pipeline stage is the same class built with only some blocks (`layer_indices`, named by
 their global index so that initialisation and checkpoints ignore the layout), the
 embedding only with `pre_process` and the final norm and output layer only with
-`post_process`; with tied embeddings the last stage keeps its own copy of the word
-embedding for the output layer (tessera.parallel.pipeline keeps the copies equal).
+`post_process`, the MTP depths with it; with tied embeddings or MTP the last stage keeps its
+own copy of the word embedding (tessera.parallel.pipeline keeps the copies equal).
 """
 
 from __future__ import annotations
@@ -36,9 +45,11 @@ from torch import nn
 from tessera.config import ConfigError, ModelConfig
 from tessera.models.documents import Documents
 from tessera.models.moe import MoELayer
+from tessera.models.mtp import MultiTokenPrediction, shift_left
 from tessera.models.norm import build_norm
 from tessera.models.rope import build_rotary
 from tessera.models.transformer import TransformerBlock
+from tessera.parallel.context import ContextParallel
 from tessera.parallel.experts import ExpertGroups
 from tessera.parallel.random import DropoutRNG, checkpoint, dropout
 from tessera.parallel.sharding import ShardSpec, annotate, rank_and_size
@@ -60,9 +71,11 @@ class Recompute:
 class GPTModel(nn.Module):
     def __init__(self, config: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
                  recompute: Recompute = Recompute(), layer_indices: Sequence[int] | None = None,
-                 pre_process: bool = True, post_process: bool = True, expert_groups: ExpertGroups | None = None):
+                 pre_process: bool = True, post_process: bool = True, expert_groups: ExpertGroups | None = None,
+                 context_parallel: ContextParallel | None = None):
         super().__init__()
         self.config = config
+        self.context_parallel = context_parallel
         self.recompute = recompute
         self.tp_group = tp_group
         tp_rank, self.tp_size = rank_and_size(tp_group)
@@ -74,7 +87,7 @@ class GPTModel(nn.Module):
         std = config.init_method_std
         self.pre_process, self.post_process = pre_process, post_process
         self.embedding = None
-        if pre_process or (post_process and config.tie_embeddings):
+        if pre_process or (post_process and config.last_stage_embedding):
             self.embedding = VocabParallelEmbedding(self.vocab_size, config.hidden_size, init_std=std,
                                                     tp_group=tp_group, sequence_parallel=sp)
         if config.position_embedding_type == "learned_absolute" and pre_process:
@@ -89,10 +102,14 @@ class GPTModel(nn.Module):
         moe = config.moe_layers()
         self.layers = LayerStack({
             index: TransformerBlock(config, tp_group=tp_group, sequence_parallel=sp, rng=self.dropout_rng,
-                                    recompute_core=selective, moe=moe[index], expert_groups=expert_groups)
+                                    recompute_core=selective, moe=moe[index], expert_groups=expert_groups,
+                                    context=context_parallel.layer(index) if context_parallel else None)
             for index in (range(config.num_layers) if layer_indices is None else layer_indices)
         })
         self.final_norm = build_norm(config, tp_group, sp) if post_process else None
+        self.mtp = MultiTokenPrediction(config, tp_group=tp_group, sequence_parallel=sp, rng=self.dropout_rng,
+                                        recompute_core=selective, expert_groups=expert_groups) \
+            if post_process and config.mtp_num_layers else None
         if config.tie_embeddings or not post_process:
             self.output_weight = None
         else:
@@ -111,6 +128,7 @@ class GPTModel(nn.Module):
             raise ConfigError(f"sequence length ({input_ids.shape[1]}) must be divisible by "
                               f"--tensor-model-parallel-size ({self.tp_size}) under --sequence-parallel")
         hidden = self.embedding(input_ids)
+        position_ids = self._local_positions(position_ids, input_ids.shape[1], input_ids.device)
         if self.position_embedding is not None:
             positions = position_ids if position_ids is not None else torch.arange(
                 input_ids.shape[1], device=input_ids.device).unsqueeze(0)
@@ -125,8 +143,7 @@ class GPTModel(nn.Module):
                    layers: Sequence[nn.Module] | None = None) -> torch.Tensor:
         """The blocks (default all this model holds; a pipeline chunk passes its own) over `hidden`;
         with `documents` (packed samples) attention stays within each document."""
-        seq_length = hidden.shape[1] * (self.tp_size if self.sequence_parallel else 1)
-        rope = self.rotary(seq_length, position_ids) if self.rotary is not None else None
+        rope = self._rope(hidden, position_ids)
         layers = list(self.layers if layers is None else layers)
         for start, end, recomputed in self._layer_chunks(len(layers)):
             def run(h, chunk=layers[start:end]):
@@ -139,9 +156,23 @@ class GPTModel(nn.Module):
                 hidden = run(hidden)
         return hidden
 
+    def _rope(self, hidden: torch.Tensor, position_ids: torch.Tensor | None):
+        seq_length = hidden.shape[1] * (self.tp_size if self.sequence_parallel else 1)
+        position_ids = self._local_positions(position_ids, seq_length, hidden.device)
+        return self.rotary(seq_length, position_ids) if self.rotary is not None else None
+
+    def _local_positions(self, position_ids: torch.Tensor | None, seq_length: int, device) -> torch.Tensor | None:
+        """Under context parallelism, positions default to those of this rank's chunks."""
+        if position_ids is not None or self.context_parallel is None:
+            return position_ids
+        return self.context_parallel.local_positions(seq_length, device)
+
     def moe_layers(self) -> dict[int, MoELayer]:
-        """This model's MoE layers by global layer index."""
-        return {index: layer.mlp for index, layer in self.layers.items() if isinstance(layer.mlp, MoELayer)}
+        """This model's MoE layers by global layer index (MTP depth k's: num_layers + k - 1)."""
+        blocks = list(self.layers.items())
+        if self.mtp is not None:
+            blocks += [(self.config.num_layers + k, depth.layer) for k, depth in enumerate(self.mtp.layers)]
+        return {index: block.mlp for index, block in blocks if isinstance(block.mlp, MoELayer)}
 
     @contextlib.contextmanager
     def _routers_paused(self):
@@ -157,8 +188,20 @@ class GPTModel(nn.Module):
 
     def head(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [b, s, v], or the fp32 per-token loss [b, s] when labels are given."""
+        return self._output_layer(self.final_norm(hidden), labels)
+
+    def head_with_mtp(self, hidden: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
+                      position_ids: torch.Tensor | None = None, documents: Documents | None = None) -> torch.Tensor:
+        """fp32 per-token losses [1 + D, b, s]: the LM's, then MTP depth k's against the labels
+        shifted k further left (its target at position t is token t + k + 1)."""
+        hidden = self.final_norm(hidden)
+        depths = self.mtp(hidden, input_ids, self.embed, self._rope(hidden, position_ids), documents)
+        return torch.stack([self._output_layer(hidden, labels)] +
+                           [self._output_layer(h, shift_left(labels, k)) for k, h in enumerate(depths, start=1)])
+
+    def _output_layer(self, hidden: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         weight = self.embedding.weight if self.output_weight is None else self.output_weight
-        logits = column_parallel_linear(self.final_norm(hidden), weight, None, self.tp_group,
+        logits = column_parallel_linear(hidden, weight, None, self.tp_group,
                                         sequence_parallel=self.sequence_parallel)  # this rank's vocabulary slice
         if labels is None:
             return gather_from_tp_region(logits, self.tp_group)
@@ -166,8 +209,10 @@ class GPTModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None,
-                documents: Documents | None = None) -> torch.Tensor:
+                documents: Documents | None = None, *, mtp: bool = False) -> torch.Tensor:
         hidden = self.run_layers(self.embed(input_ids, position_ids), position_ids, documents)
+        if mtp:
+            return self.head_with_mtp(hidden, input_ids, labels, position_ids, documents)
         return self.head(hidden, labels)
 
     def _layer_chunks(self, num_layers: int) -> list[tuple[int, int, bool]]:

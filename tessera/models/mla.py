@@ -8,9 +8,10 @@ low-rank latents, with RoPE on a decoupled positional part.
     attention q = [q_nope | rope(q_pos)], k = [k_nope | rope(k_pos)] with one positional key
               shared by all heads; softmax(q k^T * scale) v; then proj back to the hidden size
 
-The norms are on with --qk-layernorm (Megatron's switch; DeepSeek has them). RoPE pairs
-neighbouring channels (DeepSeek's interleaved layout). The softmax scale is
-1/sqrt(qk_head_dim + qk_pos_emb_head_dim), times YaRN's mscale(s, --mscale-all-dim)^2.
+The norms are on with --qk-layernorm (Megatron's switch; DeepSeek has them), with epsilon
+--latent-norm-epsilon (default --norm-epsilon). RoPE pairs neighbouring channels
+(DeepSeek's interleaved layout). The softmax scale is 1/sqrt(qk_head_dim +
+qk_pos_emb_head_dim), times YaRN's mscale(s, --mscale-all-dim)^2.
 
 Tensor parallelism as Megatron-Core: the down projections are small and replicated, the
 up projections column-parallel (heads split over ranks), the output projection
@@ -35,6 +36,7 @@ from tessera.models.attention import attend_and_project, core_attention
 from tessera.models.documents import Documents
 from tessera.models.norm import build_norm
 from tessera.models.rope import apply_rotary, yarn_mscale
+from tessera.parallel.context import ContextAttention
 from tessera.parallel.random import DropoutRNG
 from tessera.parallel.sharding import ShardSpec, annotate, rank_and_size
 from tessera.parallel.tensor import (
@@ -66,7 +68,7 @@ class MultiLatentAttention(nn.Module):
     """Causal self-attention through compressed query and key/value latents (DeepSeek's MLA)."""
 
     def __init__(self, config: ModelConfig, output_std: float, *, tp_group=None, sequence_parallel: bool = False,
-                 rng: DropoutRNG | None = None, recompute_core: bool = False):
+                 rng: DropoutRNG | None = None, recompute_core: bool = False, context: ContextAttention | None = None):
         super().__init__()
         _, tp_size = rank_and_size(tp_group)
         heads = config.num_attention_heads
@@ -82,6 +84,7 @@ class MultiLatentAttention(nn.Module):
         self.dropout = config.attention_dropout
         self.rng = rng  # attention probabilities of this rank's heads: a dropout mask of their own
         self.recompute_core = recompute_core
+        self.context = context   # context parallelism (tessera.parallel.context)
         hidden, std, bias = config.hidden_size, config.init_method_std, config.add_bias_linear
         parallel = dict(tp_group=tp_group, sequence_parallel=sequence_parallel)
         q_out = heads * (self.qk_head_dim + self.pos_dim)
@@ -89,7 +92,7 @@ class MultiLatentAttention(nn.Module):
         def latent_norm(width: int) -> nn.Module:
             if not config.qk_layernorm:
                 return nn.Identity()
-            return build_norm(config, tp_group, sequence_parallel, width=width)
+            return build_norm(config, tp_group, sequence_parallel, width=width, eps=config.latent_norm_epsilon)
 
         if config.q_lora_rank is None:
             self.q_proj = ColumnParallelLinear(hidden, q_out, bias=bias, init_std=std, **parallel)
@@ -114,7 +117,8 @@ class MultiLatentAttention(nn.Module):
         """
         dropout_p = self.dropout if self.training else 0.0
         with self.rng.fork(q.device) if dropout_p > 0 and self.rng is not None else nullcontext():
-            return core_attention(q, k, v, documents, dropout_p=dropout_p, scale=self.softmax_scale)
+            return core_attention(q, k, v, documents, dropout_p=dropout_p, scale=self.softmax_scale,
+                                  context=self.context)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 documents: Documents | None = None) -> torch.Tensor:

@@ -8,19 +8,20 @@ from tessera.config import ModelConfig
 from tessera.parallel.sharding import ShardSpec, annotate, rank_and_size
 
 
-def build_norm(config: ModelConfig, tp_group=None, sequence_parallel: bool = False, width: int | None = None
-               ) -> nn.Module:
-    """A norm over `width` features (default the hidden size), replicated on every TP rank.
+def build_norm(config: ModelConfig, tp_group=None, sequence_parallel: bool = False, width: int | None = None,
+               eps: float | None = None) -> nn.Module:
+    """A norm over `width` features (default the hidden size), replicated on every TP rank;
+    `eps` defaults to --norm-epsilon.
 
     `sequence_parallel` marks its weights as seeing only this rank's part of the data (its
     sequence shard under SP, or its own heads for a per-head query/key norm): their
     gradients are partial sums over the TP group.
     """
-    width = width or config.hidden_size
+    width, eps = width or config.hidden_size, eps or config.norm_epsilon
     if config.normalization == "RMSNorm":
-        norm = nn.RMSNorm(width, eps=config.norm_epsilon)
+        norm = nn.RMSNorm(width, eps=eps)
     else:
-        norm = nn.LayerNorm(width, eps=config.norm_epsilon, bias=True)
+        norm = nn.LayerNorm(width, eps=eps, bias=True)
     rank, size = rank_and_size(tp_group)
     for name, param in norm.named_parameters():
         annotate(param, ShardSpec(tuple(param.shape), None, None, rank, size),

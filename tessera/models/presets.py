@@ -27,6 +27,29 @@ def _moe(experts: int, topk: int, expert_ffn: int, **extra) -> dict:
                 moe_router_dtype="fp32", moe_grouped_gemm=True, **extra)
 
 
+def _deepseek(layers: int, hidden: int, heads: int, ffn: int, vocab: int, dense_layers: int, q_lora: int | None,
+              **extra) -> dict:
+    """DeepSeek-V2/V3 shapes: MLA (latent 512, heads of 128 + 64 RoPE channels, values 128) with
+    its latent norms, and MoE after `dense_layers` dense ones (the HF config's first_k_dense_replace)."""
+    mla = dict(multi_latent_attention=True, q_lora_rank=q_lora, kv_lora_rank=512, qk_head_dim=128,
+               qk_pos_emb_head_dim=64, v_head_dim=128, qk_layernorm=True)
+    return {**_LLAMA, "num_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
+            "ffn_hidden_size": ffn, "vocab_size": vocab, "seq_length": 4096, "norm_epsilon": 1e-6, **mla,
+            "moe_layer_freq": f"([0]*{dense_layers}+[1]*{layers - dense_layers})", **extra}
+
+
+def _yarn(factor: float, mscale: float, beta_fast: float = 32.0, beta_slow: float = 1.0) -> dict:
+    """YaRN from an original 4096-token context, with mscale = mscale_all_dim as DeepSeek's configs set them."""
+    return dict(rope_type="yarn", rotary_scaling_factor=factor, yarn_original_max_position_embeddings=4096,
+                yarn_beta_fast=beta_fast, yarn_beta_slow=beta_slow, mscale=mscale, mscale_all_dim=mscale)
+
+
+# DeepSeek-V3's router: sigmoid scores, aux-loss-free balancing by an expert bias, top-k renormalised
+# and scaled; the sequence-wise balance loss of the V3 report (alpha 1e-4).
+_SIGMOID_ROUTER = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                       moe_router_load_balancing_type=["seq_aux_loss"], moe_aux_loss_coeff=[1e-4])
+
+
 def _llama(layers: int, hidden: int, heads: int, groups: int, ffn: int, vocab: int, seq: int, **extra) -> dict:
     gqa = dict(group_query_attention=True, num_query_groups=groups) if groups != heads else {}
     return dict(_LLAMA, num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
@@ -73,6 +96,31 @@ PRESETS: dict[str, dict] = {
                             qk_layernorm=True, **_moe(128, 8, 768, moe_aux_loss_coeff=[0.001])),
     "qwen3-235b-a22b": _llama(94, 4096, 64, 4, 12288, 151936, 4096, **dict(_QWEN, add_qkv_bias=False),
                               kv_channels=128, qk_layernorm=True, **_moe(128, 8, 1536, moe_aux_loss_coeff=[0.001])),
+    # DeepSeek-V2-Lite (16B, 2.4B active): no query latent; softmax routing over 64 experts without
+    # renormalisation, 2 shared experts; the remote code's sequence-wise aux loss (alpha 1e-3)
+    "deepseek-v2-lite": _deepseek(27, 2048, 16, 10944, 102400, 1, None, **_yarn(40.0, 0.707),
+                                  **_moe(64, 6, 1408, moe_router_pre_softmax=True,
+                                         moe_shared_expert_intermediate_size=2816,
+                                         moe_router_load_balancing_type=["seq_aux_loss"], moe_aux_loss_coeff=[1e-3])),
+    # DeepSeek-V3 (671B, 37B active, and one MTP depth of 11.5B more): 8 groups of 32 experts, 4 of them
+    # per token
+    "deepseek-v3": _deepseek(61, 7168, 128, 18432, 129280, 3, 1536, **_yarn(40.0, 1.0), mtp_num_layers=1,
+                             **_moe(256, 8, 2048, **_SIGMOID_ROUTER, moe_router_topk_scaling_factor=2.5,
+                                    moe_router_num_groups=8, moe_router_group_topk=4,
+                                    moe_shared_expert_intermediate_size=2048)),
+    # Moonlight-16B-A3B (Moonshot; DeepSeek-V3's architecture at V2-Lite's size): RoPE base 5e4 without
+    # YaRN, norms at 1e-5 but the latents' at HF's fixed 1e-6, aux loss 1e-3
+    "moonlight-16b-a3b": _deepseek(27, 2048, 16, 11264, 163840, 1, None, rope_type="rope", rotary_base=50_000.0,
+                                   norm_epsilon=1e-5, latent_norm_epsilon=1e-6,
+                                   **_moe(64, 6, 1408, **dict(_SIGMOID_ROUTER, moe_aux_loss_coeff=[1e-3]),
+                                          moe_router_topk_scaling_factor=2.446,
+                                          moe_shared_expert_intermediate_size=2816)),
+    # Kimi-K2 (Moonshot, 1T, 32B active; July 2025 release): DeepSeek-V3 with 64 heads, 384 experts
+    # without groups, one dense layer, YaRN x32 with both betas 1 over RoPE base 5e4
+    "kimi-k2": _deepseek(61, 7168, 64, 18432, 163840, 1, 1536, rotary_base=50_000.0,
+                         **_yarn(32.0, 1.0, beta_fast=1.0, beta_slow=1.0),
+                         **_moe(384, 8, 2048, **_SIGMOID_ROUTER, moe_router_topk_scaling_factor=2.827,
+                                moe_shared_expert_intermediate_size=2048)),
     # Tiny shapes for tests and CPU demos
     "tiny-gpt": dict(_gpt(2, 64, 4, 64), vocab_size=256, make_vocab_size_divisible_by=8),
     "tiny-llama": dict(_llama(2, 64, 4, 2, 176, 256, 64), make_vocab_size_divisible_by=8),
@@ -80,6 +128,16 @@ PRESETS: dict[str, dict] = {
     "tiny-moe": dict(_llama(4, 64, 4, 2, 176, 256, 64, moe_layer_freq="([0]*1+[1]*3)",
                             **_moe(4, 2, 48, moe_aux_loss_coeff=[1e-2], moe_shared_expert_intermediate_size=32)),
                      make_vocab_size_divisible_by=8, moe_grouped_gemm=False),
+    # DeepSeek-V3 in miniature: MLA with a query latent and YaRN, one dense layer, then 16 sigmoid-routed
+    # experts in 4 groups (top-4 from the best 2 groups, as V3's 8 from 4: groups scored by their best 2;
+    # expert bias, scaled), a shared expert, one MTP depth
+    "tiny-deepseek": dict(_deepseek(3, 64, 4, 176, 256, 1, 32, **_yarn(4.0, 1.0), mtp_num_layers=1,
+                                    **_moe(16, 4, 16, **_SIGMOID_ROUTER, moe_router_topk_scaling_factor=2.5,
+                                           moe_router_num_groups=4, moe_router_group_topk=2,
+                                           moe_shared_expert_intermediate_size=16)),
+                          kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16, seq_length=64,
+                          yarn_original_max_position_embeddings=16, make_vocab_size_divisible_by=8,
+                          moe_grouped_gemm=False),
 }
 
 

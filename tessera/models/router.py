@@ -44,6 +44,14 @@ LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balan
               "global_aux_loss": "global_load_balancing_loss", "z_loss": "z_loss"}   # Megatron's log names
 
 
+def loss_coefficients(config: ModelConfig) -> dict[str, float]:
+    """{loss: coefficient} of the router's losses that are on: load balancing, z-loss."""
+    coefficients = aux_loss_coefficients(config)
+    if config.moe_z_loss_coeff:
+        coefficients["z_loss"] = config.moe_z_loss_coeff
+    return coefficients
+
+
 class Router(nn.Module):
     def __init__(self, config: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
                  loss_group=None, global_group=None):
@@ -56,9 +64,7 @@ class Router(nn.Module):
         self.capacity_factor = config.moe_expert_capacity_factor
         self.drop_policy, self.pad_to_capacity = config.moe_token_drop_policy, config.moe_pad_expert_input_to_capacity
         self.loss_group, self.global_group = loss_group, global_group
-        self.coefficients = aux_loss_coefficients(config)
-        if config.moe_z_loss_coeff:
-            self.coefficients["z_loss"] = config.moe_z_loss_coeff
+        self.coefficients = loss_coefficients(config)
         self.loss_names = list(self.coefficients)
         tp_rank, tp_size = rank_and_size(tp_group)
         shape = (self.num_experts, config.hidden_size)

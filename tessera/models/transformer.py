@@ -22,6 +22,7 @@ from tessera.models.mla import MultiLatentAttention
 from tessera.models.mlp import MLP
 from tessera.models.moe import MoELayer
 from tessera.models.norm import build_norm
+from tessera.parallel.context import ContextAttention
 from tessera.parallel.experts import ExpertGroups
 from tessera.parallel.random import DropoutRNG, dropout
 
@@ -34,7 +35,7 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, config: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
                  rng: DropoutRNG | None = None, recompute_core: bool = False, moe: bool = False,
-                 expert_groups: ExpertGroups | None = None):
+                 expert_groups: ExpertGroups | None = None, context: ContextAttention | None = None):
         super().__init__()
         # Output projections are scaled by 1/sqrt(2 * layers) so the residual stream's
         # variance does not grow with depth (GPT-2, Megatron).
@@ -42,7 +43,7 @@ class TransformerBlock(nn.Module):
         self.input_norm = build_norm(config, tp_group, sequence_parallel)
         attention = MultiLatentAttention if config.multi_latent_attention else Attention
         self.attention = attention(config, output_std, tp_group=tp_group, sequence_parallel=sequence_parallel,
-                                   rng=rng, recompute_core=recompute_core)
+                                   rng=rng, recompute_core=recompute_core, context=context)
         self.post_attention_norm = build_norm(config, tp_group, sequence_parallel)
         if moe:
             self.mlp = MoELayer(config, output_std, tp_group=tp_group, sequence_parallel=sequence_parallel,

@@ -21,7 +21,9 @@ from tessera.parallel.mesh import Mesh
 def apply_fsdp2(model: nn.Module, mesh: Mesh, *, reshard_after_forward: bool = True) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
-    dp_mesh = mesh.submesh("dp")
+    # Context-parallel ranks hold other tokens of the same samples: their gradients are summed
+    # and their shards split over data x context parallelism, as the DDP buffers are.
+    dp_mesh = mesh.submesh("dp_cp" if mesh.cp_size > 1 else "dp")
     # fully_shard replaces every parameter by a new DTensor parameter: carry over what the
     # rest of tessera attached to the old ones (ShardSpec, sequence-parallel marks, ...).
     attributes = {name: dict(param.__dict__) for name, param in model.named_parameters()}

@@ -96,8 +96,9 @@ class Mesh:
     # Process groups; None where the dimension has one rank.
     def group(self, dim: str):
         """The process group of 'tp', 'cp', 'dp', 'pp', 'dp_cp' (gradient reduction), 'tp_cp' (the
-        ranks sharing one micro-batch), 'tp_dp_cp' (a whole pipeline stage), or of the experts:
-        'ep', 'etp', 'edp' (expert gradient reduction), 'tp_ep' (etp x ep, the dispatch group)."""
+        ranks sharing one micro-batch), 'tp_dp_cp' (a whole pipeline stage), 'cp_inner' and
+        'cp_outer' (--hierarchical-context-parallel-sizes), or of the experts: 'ep', 'etp', 'edp'
+        (expert gradient reduction), 'tp_ep' (etp x ep, the dispatch group)."""
         return self.groups.get(dim)
 
     @property
@@ -142,7 +143,30 @@ class Mesh:
                        (("edp", edp), ("ep", ep), ("etp", etp)) if size > 1})
         if ep * etp > 1:
             groups["tp_ep"] = expert_mesh["ep", "etp"]._flatten("tp_ep", **timeout.flat()).get_group()
+        if parallel.hierarchical_context_parallel_sizes is not None:
+            groups.update(_hierarchical_cp_groups(tp, cp, dp, pp, *parallel.hierarchical_context_parallel_sizes,
+                                                  timeout.timeout))
         return cls(tp, cp, dp, pp, ep, etp, dist.get_rank(), device_mesh, expert_mesh, groups)
+
+
+def _hierarchical_cp_groups(tp: int, cp: int, dp: int, pp: int, inner: int, outer: int, timeout: timedelta
+                            ) -> dict:
+    """--hierarchical-context-parallel-sizes: each CP group cut into groups of `inner` neighbouring
+    CP ranks ('cp_inner', a2a+p2p's all-to-all) and the `outer` ranks with one inner index
+    ('cp_outer', its ring); levels of one rank are left out."""
+    def rank(tp_rank: int, cp_rank: int, dp_rank: int, pp_rank: int) -> int:
+        return tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
+
+    others = [(t, d, p) for p in range(pp) for d in range(dp) for t in range(tp)]
+    levels = {
+        "cp_inner": [[rank(t, o * inner + i, d, p) for i in range(inner)] for t, d, p in others for o in range(outer)],
+        "cp_outer": [[rank(t, o * inner + i, d, p) for o in range(outer)] for t, d, p in others for i in range(inner)],
+    }
+    groups = {}
+    for name, size in (("cp_inner", inner), ("cp_outer", outer)):
+        if size > 1:   # every rank creates every group, in the same order
+            groups[name], _ = dist.new_subgroups_by_enumeration(levels[name], timeout=timeout)
+    return groups
 
 
 # DeviceMesh creates its groups with PyTorch's default timeout (30 min gloo, 10 min NCCL)

@@ -4,9 +4,10 @@
 A stage is a view of the one model: GPTModel built with the blocks of this rank's chunks
 (keeping their global indices, so names, initialisation and checkpoints do not depend
 on the layout), the embedding on the first stage and the final norm, output layer and
-loss on the last. `PipelineRunner` knows nothing of tokens: the trainer gives it a
-`forward_step(chunk, micro_batch, input)` that returns the chunk's output activation,
-or on the last virtual stage the scalar loss to backpropagate.
+loss on the last, with the multi-token-prediction depths (they need nothing from the other
+stages but the tokens every stage reads). `PipelineRunner` knows nothing of tokens: the
+trainer gives it a `forward_step(chunk, micro_batch, input)` that returns the chunk's
+output activation, or on the last virtual stage the scalar loss to backpropagate.
 
 Transfers between neighbours use `batch_isend_irecv` with shapes known ahead of time
 (the trainer passes [micro batch, sequence / TP under SP, hidden]), so no shape ever
@@ -37,14 +38,16 @@ class PipelineGroups:
     ranks: tuple[int, ...]     # global ranks of this rank's pipeline, by stage
     activations: object        # the mesh's pp group carries activations ...
     gradients: object          # ... and a twin carries gradients
-    embedding: object          # first + last stage: tied word-embedding gradients (None when untied)
+    embedding: object          # first + last stage: word-embedding gradients (None when the last stage has none)
     embedding_dp: object       # first + last stage x all data-parallel ranks (distributed optimizer)
 
     @classmethod
-    def build(cls, mesh, *, tied_embeddings: bool) -> "PipelineGroups":
+    def build(cls, mesh, *, shared_embedding: bool) -> "PipelineGroups":
+        """`shared_embedding`: the last stage holds a copy of the word embedding (a tied output
+        layer, or MTP's input: ModelConfig.last_stage_embedding)."""
         tp, cp, dp, pp = mesh.tp_size, mesh.cp_size, mesh.dp_size, mesh.pp_size
         mine = {}
-        for name, members in _pipeline_group_ranks(tp, cp, dp, pp, tied_embeddings):
+        for name, members in _pipeline_group_ranks(tp, cp, dp, pp, shared_embedding):
             group = dist.new_group(members)   # collective: every rank creates every group
             if mesh.rank in members:
                 mine[name] = (group, members)
@@ -167,7 +170,7 @@ def _seconds(start, end) -> float:
 @torch.no_grad()
 def sum_tied_grads(slices: list[tuple[torch.Tensor, int]], numel: int, group, device: torch.device) -> None:
     """Sum the gradient of the word embedding, used by the first stage (input) and the last
-    (output layer), over `group`, so that both copies take the same step and stay equal.
+    (tied output layer, MTP input), over `group`, so that both copies take the same step and stay equal.
 
     `slices` are the (gradient, flat offset) pieces of the weight this rank holds, already
     reduced over data-parallel ranks: the whole gradient with the embedding group, or the

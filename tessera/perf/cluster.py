@@ -107,16 +107,21 @@ NVLINK_INTERFERENCE, NETWORK_INTERFERENCE = 0.35, 0.05
 _NVLINK4 = Link("NVLink 4 (NVSwitch)", 450.0, 0.80, 3.0, NVLINK_INTERFERENCE)
 _NVLINK3 = Link("NVLink 3 (NVSwitch)", 300.0, 0.80, 3.0, NVLINK_INTERFERENCE)
 _NDR = Link("InfiniBand NDR 400G", 50.0, 0.80, 8.0, NETWORK_INTERFERENCE)
+# H800 NVLink: 400 GB/s in both directions together; DeepSeek-V3's report measures 160 GB/s
+# per GPU over NVLink and 50 GB/s over IB, which 200 GB/s per direction at 80% gives.
+_NVLINK_H800 = Link("NVLink (H800, NVSwitch)", 200.0, 0.80, 3.0, NVLINK_INTERFERENCE)
 _HDR = Link("InfiniBand HDR 200G", 25.0, 0.80, 8.0, NETWORK_INTERFERENCE)
 
 CLUSTERS: dict[str, Cluster] = {
     "dgx-h100": Cluster("DGX H100 (8x H100 SXM, NDR 400G per GPU)", GPUS["h100-sxm"], 8, _NVLINK4, _NDR),
     "dgx-h200": Cluster("DGX H200 (8x H200, NDR 400G per GPU)", GPUS["h200"], 8, _NVLINK4, _NDR),
     "dgx-a100": Cluster("DGX A100 (8x A100 80GB, HDR 200G per GPU)", GPUS["a100"], 8, _NVLINK3, _HDR),
+    "hgx-h800": Cluster("HGX H800 (8x H800, 400G IB per GPU; DeepSeek-V3's)", GPUS["h800"], 8, _NVLINK_H800, _NDR),
 }
 
 # `--gpu KEY` picks the DGX machine of that GPU.
-DEFAULT_CLUSTER = {"h100": "dgx-h100", "h100-sxm": "dgx-h100", "h200": "dgx-h200", "a100": "dgx-a100"}
+DEFAULT_CLUSTER = {"h100": "dgx-h100", "h100-sxm": "dgx-h100", "h200": "dgx-h200", "a100": "dgx-a100",
+                   "h800": "hgx-h800"}
 
 
 def lookup_cluster(name: str | None = None, gpu: str | None = None) -> Cluster:

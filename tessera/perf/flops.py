@@ -36,6 +36,10 @@ In a MoE layer the MLP term is the work a token really does, as Megatron counts 
 routed experts and the shared expert, G*h*(k*f_moe + f_shared); the router's h x E GEMM
 is not counted. So MFU is measured on active parameters. (Before March 2025 Megatron
 counted k*f with the dense f and no shared expert: the same for Mixtral, where f_moe = f.)
+
+Multi-token prediction (--mtp-num-layers D), as Megatron counts it: each depth is one more
+layer of the last layer's kind (attention, core attention and MLP terms), plus its norms and
+projection 6 * (3h + 2h^2), and one more pass through the output layer, 6 * h*V.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class ParamCount:
     embedding: int       # word and position embeddings, and an untied output layer
     non_embedding: int   # transformer blocks and the final norm
     inactive: int = 0    # routed-expert weights a token does not use (E - k experts of each MoE layer)
+    mtp: int = 0         # of the non-embedding ones, the MTP depths' (DeepSeek quotes its sizes without them)
 
     @property
     def total(self) -> int:
@@ -130,15 +135,19 @@ def layer_parameters(config: ModelConfig) -> list[LayerParameters]:
 
 def count_parameters(config: ModelConfig, vocab_size: int | None = None) -> ParamCount:
     """Exact parameter count of GPTModel(config); `vocab_size` defaults to the padded vocabulary."""
-    layers = layer_parameters(config)
-    experts = sum(layer.experts for layer in layers)
+    depths = config.mtp_num_layers or 0
+    main = layer_parameters(config)
+    # An MTP depth: a block of the last layer's kind, two input norms, the 2h -> h projection, a final norm.
+    mtp_layers = main[-1:] * depths
+    mtp = sum(map(sum, mtp_layers)) + depths * (3 * _norm_params(config) + 2 * config.hidden_size ** 2)
+    experts = sum(layer.experts for layer in main + mtp_layers)
     inactive = experts // config.num_experts * (config.num_experts - config.moe_router_topk) if experts else 0
-    non_embedding = sum(layer.dense for layer in layers) + experts + _norm_params(config)
+    non_embedding = sum(map(sum, main)) + _norm_params(config) + mtp
     vocab = vocab_size if vocab_size is not None else config.padded_vocab_size()
     embedding = vocab * config.hidden_size * (1 if config.tie_embeddings else 2)
     if config.position_embedding_type == "learned_absolute":
         embedding += config.max_position_embeddings * config.hidden_size
-    return ParamCount(embedding, non_embedding, inactive)
+    return ParamCount(embedding, non_embedding, inactive, mtp)
 
 
 def _mlp_widths(config: ModelConfig) -> list[int]:
@@ -146,20 +155,27 @@ def _mlp_widths(config: ModelConfig) -> list[int]:
     experts' and the shared expert's together (the router is not counted, as in Megatron)."""
     routed = config.moe_router_topk * (config.moe_ffn_hidden_size or 0)
     moe = routed + (config.moe_shared_expert_intermediate_size or 0)
-    return [moe if is_moe else config.ffn_hidden_size for is_moe in config.moe_layers()]
+    return [moe if is_moe else config.ffn_hidden_size for is_moe in config.moe_layers(with_mtp=True)]
 
 
 def flops_per_token(config: ModelConfig, seq_length: int | None = None, vocab_size: int | None = None,
                     causal: bool = True) -> float:
     """Model FLOPs (forward + backward) per trained token."""
-    h, layers = config.hidden_size, config.num_layers
+    h, depths = config.hidden_size, config.mtp_num_layers or 0
+    layers = _attention_layers(config)
     s = seq_length if seq_length is not None else config.seq_length
     vocab = vocab_size if vocab_size is not None else config.padded_vocab_size()
     gated = 3 if config.swiglu else 2
     projections = sum(i * o for i, o in _attention_projections(config))
-    linear = layers * projections + gated * h * sum(_mlp_widths(config)) + h * vocab
+    mtp = depths * (3 * h + 2 * h * h)   # Megatron's count of the depths' norms and projections
+    linear = layers * projections + gated * h * sum(_mlp_widths(config)) + mtp + h * vocab * (1 + depths)
     attention = layers * _core_attention_width(config) * s * (1 if causal else 2)
     return 6.0 * (linear + attention)
+
+
+def _attention_layers(config: ModelConfig) -> int:
+    """Layers with attention: the model's, and one per MTP depth."""
+    return config.num_layers + (config.mtp_num_layers or 0)
 
 
 def flops_per_iteration(config: ModelConfig, global_batch_size: int, seq_length: int | None = None,
@@ -178,4 +194,4 @@ def flops_per_iteration(config: ModelConfig, global_batch_size: int, seq_length:
 
 def _attention_flops(config: ModelConfig, squared_lengths: float, causal: bool) -> float:
     """Core attention (forward + backward) over sequences whose squared lengths sum to `squared_lengths`."""
-    return 6.0 * config.num_layers * _core_attention_width(config) * squared_lengths * (1 if causal else 2)
+    return 6.0 * _attention_layers(config) * _core_attention_width(config) * squared_lengths * (1 if causal else 2)

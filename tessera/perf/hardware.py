@@ -22,6 +22,8 @@ _HOPPER_SXM = {"bf16": 989.0, "fp16": 989.0, "fp8": 1979.0, "tf32": 494.7, "fp32
 GPUS: dict[str, GPU] = {
     "a100": GPU("A100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}, 80, 2.039),
     "h100-sxm": GPU("H100 SXM", _HOPPER_SXM, 80, 3.35),
+    # H800: the H100 SXM's compute and memory with less NVLink (the export part DeepSeek-V3 trained on)
+    "h800": GPU("H800 SXM", _HOPPER_SXM, 80, 3.35),
     "h100-pcie": GPU("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "fp8": 1513.0, "tf32": 378.0, "fp32": 51.0}, 80, 2.0),
     "h200": GPU("H200", _HOPPER_SXM, 141, 4.8),
     "b200": GPU("B200", {"bf16": 2250.0, "fp16": 2250.0, "fp8": 4500.0, "tf32": 1100.0, "fp32": 75.0}, 180, 8.0),
@@ -29,7 +31,7 @@ GPUS: dict[str, GPU] = {
 GPUS["h100"] = GPUS["h100-sxm"]
 
 # Substrings of torch.cuda.get_device_name(), most specific first.
-_NAME_PATTERNS = [("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"), ("h200", "h200"),
+_NAME_PATTERNS = [("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"), ("h800", "h800"), ("h200", "h200"),
                   ("a100", "a100"), ("b200", "b200")]
 
 

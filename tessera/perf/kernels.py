@@ -131,13 +131,13 @@ def load_curves(path: str | Path | None = None, gpu_name: str = "H200") -> Kerne
     """Curves for a GPU: fitted to a bench/gemm.py JSON (`path`, else the committed H200 one),
     else PROVISIONAL.
 
-    An H100 gets the H200 curve at its sustained rate; an A100 (108 SMs) the Hopper
+    An H100 (and an H800, its chip) gets the H200 curve at its sustained rate; an A100 (108 SMs) the Hopper
     efficiencies on its own SM count, a rough guess that `source` admits.
     """
     if path is not None:
         return fit_curves(json.loads(Path(path).read_text()))
     curves = fit_curves(json.loads(MEASURED_CURVE.read_text())) if MEASURED_CURVE.exists() else PROVISIONAL
-    if gpu_name.startswith("H100"):
+    if gpu_name.startswith(("H100", "H800")):
         curves = replace(curves, gemm_max=curves.gemm_max * H100_SUSTAINED_RATE,
                          attn_max=curves.attn_max * H100_SUSTAINED_RATE,
                          source=curves.source + f", x{H100_SUSTAINED_RATE} H100 sustained rate")

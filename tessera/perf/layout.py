@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from tessera.config import ModelConfig
 from tessera.config.fields import require
+from tessera.config.parallel import CP_COMM_TYPES
 from tessera.config.moe import check_expert_layout
 from tessera.parallel.pipeline_schedules import stage_layer_ranges
 
@@ -24,6 +25,8 @@ class Layout:
     pp: int = 1                       # --pipeline-model-parallel-size
     dp: int = 1                       # what remains of the GPUs
     cp: int = 1                       # --context-parallel-size
+    cp_comm_type: str = "p2p"         # --cp-comm-type (one for every layer)
+    cp_a2a_size: int | None = None    # a2a+p2p: the all-to-all group, first of --hierarchical-context-parallel-sizes
     ep: int = 1                       # --expert-model-parallel-size (folded into TP x CP x DP)
     etp: int | None = None            # --expert-tensor-parallel-size (None: the TP size, as in Megatron)
     moe_dispatcher: str = "allgather"  # --moe-token-dispatcher-type
@@ -93,7 +96,8 @@ class Layout:
         if given:
             parts.append("(" + ", ".join(given) + ")")
         if self.cp > 1:
-            parts.append(f"CP{self.cp}")
+            kind = {"p2p": "", "a2a+p2p": f"(a2a{self.cp_a2a_size}+p2p{self.cp // (self.cp_a2a_size or 1)})"}
+            parts.append(f"CP{self.cp}" + kind.get(self.cp_comm_type, f"({self.cp_comm_type})"))
         if self.ep > 1:
             parts.append(f"EP{self.ep}")
         if self.expert_tp != self.tp:
@@ -115,6 +119,10 @@ class Layout:
         """The `tessera train` flags of this layout (the expert flags only for a `moe` model)."""
         flags = ["--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp),
                  "--context-parallel-size", str(self.cp), "--micro-batch-size", str(self.micro_batch_size)]
+        if self.cp > 1:
+            flags += ["--cp-comm-type", self.cp_comm_type]
+        if self.cp > 1 and self.cp_comm_type == "a2a+p2p":
+            flags += ["--hierarchical-context-parallel-sizes", str(self.cp_a2a_size), str(self.cp // self.cp_a2a_size)]
         if self.virtual_stages > 1:
             flags += ["--virtual-pipeline-model-parallel-size", str(self.virtual_stages)]
         if moe and self.ep > 1:
@@ -159,6 +167,7 @@ def check_layout(model: ModelConfig, layout: Layout, global_batch_size: int, seq
     require(not layout.sequence_parallel or tp > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1")
     require(seq_length % (2 * cp) == 0 if cp > 1 else True,
             f"--seq-length ({seq_length}) must be divisible by 2 x --context-parallel-size ({cp})")
+    _check_context_parallel(model, layout)
     require(not (layout.fsdp and layout.distributed_optimizer),
             "--use-torch-fsdp2 and --use-distributed-optimizer are exclusive")
     require(layout.recompute in RECOMPUTE, f"--recompute-granularity must be one of {', '.join(RECOMPUTE[1:])}")
@@ -172,6 +181,22 @@ def check_layout(model: ModelConfig, layout: Layout, global_batch_size: int, seq
         require(micro_batches % pp == 0,
                 f"the interleaved schedule needs the number of micro-batches ({micro_batches}) to be a "
                 f"multiple of --pipeline-model-parallel-size ({pp})")
+
+
+def _check_context_parallel(model: ModelConfig, layout: Layout) -> None:
+    """--cp-comm-type's own rules (tessera.config.parallel says the same to `tessera train`)."""
+    kind, cp = layout.cp_comm_type, layout.cp
+    require(kind in CP_COMM_TYPES, f"--cp-comm-type {kind}: choose from {', '.join(CP_COMM_TYPES)}")
+    if cp == 1 or kind not in ("a2a", "a2a+p2p"):
+        return
+    require(kind == "a2a" or layout.cp_a2a_size, "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes")
+    inner = cp if kind == "a2a" else layout.cp_a2a_size
+    require(cp % inner == 0, f"--hierarchical-context-parallel-sizes: {inner} must divide --context-parallel-size ({cp})")
+    heads = model.num_attention_heads // layout.tp
+    groups = heads if model.multi_latent_attention else max(model.num_query_groups // layout.tp, 1)
+    require(heads % inner == 0 and groups % inner == 0,
+            f"--cp-comm-type {kind}: attention heads ({heads}) and KV groups ({groups}) per "
+            f"--tensor-model-parallel-size rank must be divisible by {inner}")
 
 
 def _check_experts(model: ModelConfig, layout: Layout) -> None:

@@ -35,6 +35,12 @@ fused kernel's output into the projection's input (both saved); RoPE's rotated Q
 saved beside the QKV output (which V, a view of it, keeps alive); and under SP the QKV and
 fc1 inputs are saved all-gathered.
 
+Multi-latent attention replaces the QKV terms by its own (`mla_saved_elements`): the down
+projections' input and the latents (sharded only by SP), the up projections' gathered
+inputs, and per head the concatenated queries and keys, the keys-and-values projection and
+the output (sharded by TP). The MTP depths sit on the last pipeline stage: their layers,
+norms and projection inputs, one more set of logits each, and their parameters.
+
 In a MoE layer the dense MLP terms are the shared expert's (if any), and the routed
 experts add theirs (`routed_expert_bytes`). Expert weights are sharded over EP x ETP and
 replicated over expert data parallelism (EDP = TP x CP x DP / (EP x ETP)), so the
@@ -53,7 +59,7 @@ from dataclasses import dataclass, fields, replace
 from typing import NamedTuple
 
 from tessera.config import ModelConfig
-from tessera.perf.flops import layer_parameters
+from tessera.perf.flops import LayerParameters, count_parameters, layer_parameters
 from tessera.perf.layout import Layout
 
 GIB = 2**30
@@ -108,11 +114,20 @@ def layer_activation_bytes(model: ModelConfig, layout: Layout, seq_length: int,
         return residual * s * b * h / sp
     norm_inputs = (1 if tessera and layout.compiled else 2) * residual * s * b * h
     masks = 2 * s * b * h if model.hidden_dropout > 0 else 0.0
-    gemm_inputs = 2 * s * b * h + (2 * s * b * h if f else 0.0)   # QKV and fc1
+    gemm_inputs = 2 * s * b * h if f else 0.0   # fc1's
     gated = 2 if model.swiglu else 1
-    tensor_sharded = 2 * s * b * (q + 2 * kv) + 2 * s * b * q + 2 * s * b * f * gated + 2 * s * b * f
-    if tessera and model.position_embedding_type == "rope":
-        tensor_sharded += 2 * s * b * (q + kv)   # rotated Q and K, beside the QKV output that V is a view of
+    tensor_sharded = 2 * s * b * f * gated + 2 * s * b * f
+    if model.multi_latent_attention:
+        replicated, gathered, sharded = mla_saved_elements(model, layout)
+        norm_inputs += replicated * s * b
+        gemm_inputs += gathered * s * b
+        tensor_sharded += sharded * s * b
+        q = model.num_attention_heads * model.v_head_dim   # the attention output's width
+    else:
+        gemm_inputs += 2 * s * b * h   # QKV's
+        tensor_sharded += 2 * s * b * (q + 2 * kv) + 2 * s * b * q
+        if tessera and model.position_embedding_type == "rope":
+            tensor_sharded += 2 * s * b * (q + kv)   # rotated Q and K, beside the QKV output that V is a view of
     if layout.recompute != "selective":
         if fused_attention:
             # A compiled block also saves the projection's input, a copy of the kernel's output.
@@ -124,6 +139,46 @@ def layer_activation_bytes(model: ModelConfig, layout: Layout, seq_length: int,
     if tessera:   # the all-gathered GEMM inputs are what autograd keeps
         return (norm_inputs + masks) / sp + (gemm_inputs * sp + tensor_sharded) / t + routed
     return (norm_inputs + masks + gemm_inputs) / sp + tensor_sharded / t + routed
+
+
+def mla_saved_elements(model: ModelConfig, layout: Layout) -> tuple[float, float, float]:
+    """Bytes per token that multi-latent attention saves for backward, besides the core attention's
+    own: (sharded only by sequence parallelism, GEMM inputs the up projections gather, sharded by TP).
+
+    Each rank runs the replicated down projections on its tokens (their input, once per
+    projection in tessera's fp32-weight runs, where autocast casts it for each; with q-LoRA
+    the query latent before and after its norm; the key/value latent with the positional key,
+    and after the norm); the up projections keep their gathered inputs (tessera; Megatron
+    keeps its shard and gathers again); without q-LoRA the query projection is column-parallel
+    and keeps its own gathered copy of the input. Per head, the attention's query and key
+    (d_qk + d_pe wide, built by concatenation), the up projection's keys and values (tessera's
+    values are a view of it; Megatron copies the values contiguous) and the attention output.
+    Measured with saved-tensor hooks on a compiled block (tests/perf/test_deepseek_plan.py).
+    """
+    h, n = model.hidden_size, model.num_attention_heads
+    qk, pos, v = model.qk_head_dim, model.qk_pos_emb_head_dim, model.v_head_dim
+    q_rank, kv_rank = model.q_lora_rank or 0, model.kv_lora_rank
+    tessera = layout.framework == "tessera"
+    casts = tessera and _residual_bytes(layout) == 4   # fp32 weights: each linear casts its input
+    replicated = 2 * h * (2 if casts and q_rank else 1) + 2 * q_rank + 2 * (kv_rank + pos)
+    gathered = 2 * q_rank + 2 * kv_rank
+    if not q_rank and tessera and (casts or layout.sequence_parallel):
+        gathered += 2 * h   # q_proj's own copy of the input kv_down reads: its cast, or gathered under SP
+    keys_values = n * (qk + v) if tessera else n * v
+    return replicated, gathered, 2 * 2 * n * (qk + pos) + 2 * keys_values + 2 * n * v
+
+
+def mtp_depth_activation_bytes(model: ModelConfig, layout: Layout, seq_length: int) -> float:
+    """What one MTP depth saves for backward, for one micro-batch on one GPU: its layer's, the
+    inputs of its three norms, and its projection's input (the two normed halves, gathered by
+    tessera's column-parallel projection under SP)."""
+    s, b, h = seq_length / layout.cp, layout.micro_batch_size, model.hidden_size
+    sp = layout.tp if layout.sequence_parallel else 1
+    layer = layer_activation_bytes(model, layout, seq_length, moe=model.moe_layers(with_mtp=True)[-1])
+    if layout.recompute == "full":
+        return layer
+    projection = 2 * 2 * s * b * h / (1 if layout.framework == "tessera" else sp)
+    return layer + 3 * _residual_bytes(layout) * s * b * h / sp + projection
 
 
 def routed_expert_bytes(model: ModelConfig, layout: Layout, tokens: float) -> float:
@@ -192,12 +247,24 @@ def stage_parameters(model: ModelConfig, layout: Layout, vocab_size: int, pp_ran
     positions = model.max_position_embeddings * h if model.position_embedding_type == "learned_absolute" else 0
     if first:
         params += word_embedding + positions
+    experts = sum(layer.experts for layer in layers)
     if last:
         params += h * (2 if model.normalization == "LayerNorm" else 1)
-        # An untied output layer, or the copy of the tied embedding a separate last stage keeps.
-        if not model.tie_embeddings or not first:
-            params += word_embedding
-    return StageParameters(params, sum(layer.experts for layer in layers) / (layout.ep * layout.expert_tp))
+        if not model.tie_embeddings:
+            params += word_embedding   # the output layer
+        if not first and model.last_stage_embedding:
+            params += word_embedding   # this stage's copy of the word embedding (tied output layer, MTP input)
+        mtp = mtp_parameters(model)
+        params, experts = params + mtp.dense / layout.tp, experts + mtp.experts
+    return StageParameters(params, experts / (layout.ep * layout.expert_tp))
+
+
+def mtp_parameters(model: ModelConfig) -> LayerParameters:
+    """The multi-token prediction depths' parameters (on the last stage): each a layer of the last
+    layer's kind (its routed experts sharded as the others), two norms, a projection, a norm."""
+    depths = model.mtp_num_layers or 0
+    experts = depths * layer_parameters(model)[-1].experts
+    return LayerParameters(count_parameters(model).mtp - experts, experts)
 
 
 def estimate_memory(model: ModelConfig, layout: Layout, global_batch_size: int, seq_length: int,
@@ -235,10 +302,14 @@ def _stage_memory(model: ModelConfig, layout: Layout, global_batch_size: int, se
         # Backward recomputes one layer at a time: its full activations exist briefly.
         activations += max(layer_activation_bytes(model, replace(layout, recompute="none"), seq_length, moe=moe[i])
                            for i in layers)
-    # bf16 logits + the fp32 softmax (or its gradient); tessera's compiled loss at TP = 1
-    # fuses the softmax into the loss kernel and keeps only the bf16 logits.
+    last = pp_rank == layout.pp - 1
+    depths = (model.mtp_num_layers or 0) if last else 0
+    if depths:
+        activations += chunks / layout.virtual_stages * depths * mtp_depth_activation_bytes(model, layout, seq_length)
+    # bf16 logits + the fp32 softmax (or its gradient), the model's and each MTP depth's; tessera's
+    # compiled loss at TP = 1 fuses the softmax into the loss kernel and keeps only the bf16 logits.
     per_logit = 2.0 if layout.framework == "tessera" and layout.compiled and layout.tp == 1 else 6.0
-    logits = per_logit * s * b * vocab / layout.tp if pp_rank == layout.pp - 1 else 0.0
+    logits = per_logit * s * b * vocab / layout.tp * (1 + depths) if last else 0.0
     if layout.sequence_parallel and layout.framework == "megatron":
         buffers += 2.0 * s * b * h  # the all-gathered input of the GEMM being computed (tessera saves it)
     if any(moe[i] for i in layers):

@@ -2,7 +2,7 @@
 
 The candidates are the layouts a Megatron user would try: TP within a node (a power of
 two dividing the heads), PP dividing the layers, context parallel only for sequences of
-8k and more, interleaving only with pipelining, each pipeline split evenly and balanced
+8k and more (each --cp-comm-type; a2a+p2p with its all-to-all inside a node), interleaving only with pipelining, each pipeline split evenly and balanced
 (tessera.perf.simulator.balance_pipeline), sequence parallelism and TP comm overlap
 whenever TP > 1, the distributed optimizer whenever DP > 1 (it is never slower and saves
 memory), recomputation only as a fallback when nothing fits without it. For MoE models,
@@ -42,6 +42,7 @@ class SearchSpace:
     tp: tuple[int, ...] | None = None
     pp: tuple[int, ...] | None = None
     cp: tuple[int, ...] | None = None
+    cp_comm_type: tuple[str, ...] | None = None
     ep: tuple[int, ...] | None = None
     etp: tuple[int, ...] | None = None
     moe_dispatcher: tuple[str, ...] | None = None
@@ -73,11 +74,16 @@ def candidates(model: ModelConfig, gpus: int, gpus_per_node: int, global_batch_s
             continue
         dp = gpus // (tp * pp * cp)
         virtual = (space.virtual_stages or tuple(_divisors(model.num_layers // pp))) if pp > 1 else (1,)
-        for vp, (ep, etp, dispatcher) in itertools.product(virtual, _expert_layouts(model, tp, space)):
-            layout = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, moe_dispatcher=dispatcher,
+        for vp, (ep, etp, dispatcher), (cp_kind, cp_a2a) in itertools.product(
+                virtual, _expert_layouts(model, tp, space), _context_layouts(tp, cp, gpus_per_node, space)):
+            first, last = space.first_stage_layers, space.last_stage_layers
+            if pp > 1 and first is None and last is None:
+                first, last = uneven_split(model.num_layers, pp * vp)
+            layout = Layout(tp=tp, pp=pp, dp=dp, cp=cp, cp_comm_type=cp_kind, cp_a2a_size=cp_a2a,
+                            ep=ep, etp=etp, moe_dispatcher=dispatcher,
                             virtual_stages=vp, micro_batch_size=mbs,
-                            first_stage_layers=space.first_stage_layers if pp > 1 else None,
-                            last_stage_layers=space.last_stage_layers if pp > 1 else None,
+                            first_stage_layers=first if pp > 1 else None,
+                            last_stage_layers=last if pp > 1 else None,
                             sequence_parallel=tp > 1, tp_comm_overlap=space.tp_comm_overlap and tp > 1,
                             distributed_optimizer=dp * cp > 1 or tp * cp * dp > ep * (etp or tp),  # or EDP > 1
                             compiled=space.compiled, framework=space.framework)
@@ -87,6 +93,34 @@ def candidates(model: ModelConfig, gpus: int, gpus_per_node: int, global_batch_s
                 continue
             found.append(layout)
     return found
+
+
+def uneven_split(num_layers: int, stages: int) -> tuple[int | None, int | None]:
+    """(first, last) stage sizes nearest to even that let the other stages split the rest evenly
+    (DeepSeek-V3's 61 layers over 16 stages: 3 and 2 around 14 of 4); (None, None) when an even
+    split works. The last stage, which also runs the output layer, gets the smaller share."""
+    if num_layers % stages == 0 or stages < 3:
+        return None, None
+    splits = []
+    for middle in (num_layers // stages, num_layers // stages + 1):
+        rest = num_layers - middle * (stages - 2)
+        splits += [((first - middle) ** 2 + (rest - first - middle) ** 2, rest - first, first)
+                   for first in range(1, rest)]
+    if not splits:
+        return None, None
+    _, last, first = min(splits)
+    return first, last
+
+
+def _context_layouts(tp: int, cp: int, gpus_per_node: int, space: SearchSpace) -> list[tuple[str, int | None]]:
+    """(--cp-comm-type, all-to-all group of a2a+p2p) to try; check_layout drops what the heads do not allow.
+    a2a+p2p's all-to-all spans the CP ranks of one node, its ring the nodes."""
+    if cp == 1:
+        return [("p2p", None)]
+    in_node = max(gpus_per_node // tp, 1)
+    hierarchical = [("a2a+p2p", in_node)] if 1 < in_node < cp and cp % in_node == 0 else []
+    tried = [("p2p", None), ("all_gather", None), ("a2a", None)] + hierarchical
+    return [(kind, size) for kind, size in tried if space.cp_comm_type is None or kind in space.cp_comm_type]
 
 
 def _expert_layouts(model: ModelConfig, tp: int, space: SearchSpace) -> list[tuple[int, int | None, str]]:

@@ -6,11 +6,14 @@ The step is built from what each GPU does, as Megatron-LM schedules it:
    shapes) timed on the GEMM curve, fused causal attention on the attention curve,
    norms/activations/residuals/RoPE from their HBM bytes (tessera.perf.kernels), and the
    tensor-parallel collectives (tessera.perf.cluster); in a MoE layer also the router,
-   the experts' grouped GEMMs and the token dispatch (tessera.perf.moe). A collective
+   the experts' grouped GEMMs and the token dispatch (tessera.perf.moe); multi-latent
+   attention as its replicated down projections, column-parallel up projections (their
+   collectives move the latents, not the hidden state) and row-parallel output. A collective
    that Megatron runs beside a GEMM costs only what the GEMM does not cover, plus its
    link's interference share of the covered part (both compete for SMs and HBM).
 2. A pipeline rank's micro-batch time is its layers (uneven splits give ranks different
-   counts) plus, on the last rank, the output layer and the loss (the embedding lookup on
+   counts) plus, on the last rank, the output layer and the loss, and the MTP depths after
+   them (each a projection, a layer and the output layer again; the embedding lookup on
    the first is a row copy per token, not timed). The step is m micro-batch times of the
    slowest rank plus the fill and the drain: every other rank's micro-batch time once,
    over v chunks - (p-1)/v micro-batch times when the ranks are equal, the bubble of
@@ -35,7 +38,8 @@ from dataclasses import dataclass, field, replace
 
 from tessera.config import ConfigError, ModelConfig
 from tessera.perf.cluster import Cluster, Link
-from tessera.perf.flops import flops_per_iteration
+from tessera.perf.deepseek import add_mtp_depths, latent_attention
+from tessera.perf.flops import _core_attention_width, flops_per_iteration
 from tessera.perf.kernels import KernelCurves
 from tessera.perf.layout import Layout
 from tessera.perf.memory import MemoryBreakdown, StageParameters, estimate_memory, stage_parameters
@@ -135,15 +139,24 @@ class StepModel:
         q = model.num_attention_heads * model.kv_channels
         kv = model.num_query_groups * model.kv_channels
         gated = 2 if model.swiglu else 1
-        blocks = [(self.gemm(tokens, (q + 2 * kv) / t, h), self.gemm(tokens, h, q / t))]   # (column, row) parallel
+        sp = t if layout.sequence_parallel else 1
+        fwd, bwd = Phase(), Phase()
+        if model.multi_latent_attention:
+            blocks, collective_bytes, rope = latent_attention(self, layout, tokens, fwd, bwd)
+            # For context parallelism: queries and keys are d_qk + d_pe wide per head, values and the output d_v.
+            q = kv = _core_attention_width(model)
+        else:
+            blocks = [(self.gemm(tokens, (q + 2 * kv) / t, h), self.gemm(tokens, h, q / t))]   # (column, row) parallel
+            collective_bytes = [(tokens * h * 2,) * 2]
+            rope = 4 * (q + kv) if model.position_embedding_type == "rope" else 0
         if f:
             blocks.append((self.gemm(tokens, gated * f / t, h), self.gemm(tokens, h, f / t)))
-        fwd, bwd = Phase(), Phase()
+            collective_bytes.append((tokens * h * 2,) * 2)
         fwd.add("gemm", sum(gemm[0] for block in blocks for gemm in block))
         bwd.add("gemm", sum(gemm[1] + gemm[2] for block in blocks for gemm in block))
 
         # Causal: every query sees half the sequence on average (CP balances the halves).
-        attention_flops = 2.0 * tokens * self.seq * q / t
+        attention_flops = 2.0 * tokens * self.seq * _core_attention_width(model) / t
         efficiency = self.curves.attention_efficiency(int(self.seq / layout.cp)) * self.peak
         if model.attention_dropout > 0:
             efficiency /= 1.0 + self.curves.attn_dropout_cost
@@ -152,9 +165,7 @@ class StepModel:
 
         # Bytes per token: two norms and two residual adds on h (sharded by SP), the
         # activation function on f, RoPE on q and k.
-        sp = t if layout.sequence_parallel else 1
         act_fwd, act_bwd = self.activation_bytes(f)
-        rope = 4 * (q + kv) if model.position_embedding_type == "rope" else 0
         fwd.add("memory_bound", tokens * (20 * h / sp + (act_fwd + rope) / t) / self.hbm)
         bwd.add("memory_bound", tokens * (20 * h / sp + (act_bwd + rope) / t) / self.hbm)
         if layout.sequence_parallel and layout.framework == "tessera":
@@ -166,16 +177,18 @@ class StepModel:
             bwd.add("memory_bound", transposes / self.hbm)
 
         if t > 1:
-            self._tensor_parallel_comm(layout, tokens * h * 2, blocks, fwd, bwd)
+            self._tensor_parallel_comm(layout, collective_bytes, blocks, fwd, bwd)
         if layout.cp > 1:
-            self._context_parallel_comm(layout, tokens, kv, fwd, bwd)
+            self._context_parallel_comm(layout, tokens, q, kv, fwd, bwd)
         if moe:
             add_routed_experts(self, layout, tokens / sp, fwd, bwd)
         return fwd, bwd
 
-    def _tensor_parallel_comm(self, layout, nbytes, blocks, fwd: Phase, bwd: Phase) -> None:
+    def _tensor_parallel_comm(self, layout, collective_bytes, blocks, fwd: Phase, bwd: Phase) -> None:
         """Megatron's TP collectives per layer, each beside the GEMM it can hide behind; `blocks`
-        are the (column-parallel, row-parallel) GEMM pairs: attention, and the MLP if any.
+        are the (column-parallel, row-parallel) GEMM pairs: attention, and the MLP if any, and
+        `collective_bytes` the bytes of each pair's input (gathered for the column-parallel GEMM,
+        its gradient reduced) and output (reduced, its gradient gathered).
 
         Without --tp-comm-overlap only the backward's collectives on the weight-gradient
         and input-gradient paths run asynchronously (Megatron's default); with it, TE
@@ -190,43 +203,70 @@ class StepModel:
         def beside(comm: float, gemm: float, overlap: bool) -> float:
             return _overlapped(comm, gemm, overlap, link)
 
-        gather = self.cluster.all_gather(nbytes, ranks, per_node)
-        scatter = self.cluster.reduce_scatter(nbytes, ranks, per_node)
-        reduce = self.cluster.all_reduce(nbytes, ranks, per_node)
-        for column, row in blocks:
+        def collectives(nbytes: float) -> tuple[float, float, float]:
+            return tuple(op(nbytes, ranks, per_node) for op in (self.cluster.all_gather, self.cluster.reduce_scatter,
+                                                                  self.cluster.all_reduce))
+
+        for (column, row), (inputs, outputs) in zip(blocks, collective_bytes):
+            (gather_in, scatter_in, reduce_in), (gather_out, scatter_out, reduce_out) = map(collectives,
+                                                                                           (inputs, outputs))
             if layout.framework == "tessera":
-                forward = gather + scatter if layout.sequence_parallel else reduce
-                fwd.add("tp_comm", forward)
-                bwd.add("tp_comm", forward)
+                sp = layout.sequence_parallel
+                fwd.add("tp_comm", gather_in + scatter_out if sp else reduce_out)
+                bwd.add("tp_comm", gather_out + scatter_in if sp else reduce_in)
             elif layout.sequence_parallel:
-                fwd.add("tp_comm", beside(gather, column[0], tpo) + beside(scatter, row[0], tpo))
+                fwd.add("tp_comm", beside(gather_in, column[0], tpo) + beside(scatter_out, row[0], tpo))
                 # Gather dY for the row-parallel GEMM; reduce-scatter dX beside the column-parallel
                 # one's weight gradient and re-gather X beside its input gradient.
-                bwd.add("tp_comm", beside(gather, row[1], tpo) + beside(scatter, column[2], True)
-                        + beside(gather, column[1], True))
+                bwd.add("tp_comm", beside(gather_out, row[1], tpo) + beside(scatter_in, column[2], True)
+                        + beside(gather_in, column[1], True))
             else:
-                fwd.add("tp_comm", beside(reduce, row[0], tpo))
-                bwd.add("tp_comm", beside(reduce, column[2], True))
+                fwd.add("tp_comm", beside(reduce_out, row[0], tpo))
+                bwd.add("tp_comm", beside(reduce_in, column[2], True))
 
-    def _context_parallel_comm(self, layout: Layout, tokens: float, kv: int, fwd: Phase, bwd: Phase) -> None:
-        """Ring attention: cp-1 exchanges of a K, V block forward; K, V and dK, dV backward."""
-        block = tokens * 2 * kv / layout.tp * 2
-        across = layout.tp * layout.cp > self.cluster.gpus_per_node
-        ring = (layout.cp - 1) * self.cluster.send(block, across)
-        link = self.cluster.network if across else self.cluster.nvlink
-        fwd.add("cp_comm", _overlapped(ring, fwd.times["attention"], True, link))
-        bwd.add("cp_comm", _overlapped(2 * ring, bwd.times["attention"], True, link))
+    def _context_parallel_comm(self, layout: Layout, tokens: float, q: int, kv: int, fwd: Phase, bwd: Phase
+                               ) -> None:
+        """Context parallelism's traffic per layer (--cp-comm-type; tessera.parallel.context):
+
+            p2p         cp-1 K, V blocks forward; K, V and dK, dV backward; beside the attention
+            all_gather  K, V all-gathered (forward, and again backward), dK, dV reduce-scattered; not hidden
+            a2a         Q, K, V and the output all-to-all forward, their gradients backward; not hidden
+            a2a+p2p     the all-to-alls inside groups of cp_a2a_size ranks, the ring across them
+
+        CP ranks are TP ranks apart; a rank's K, V block is bf16 and the same size after an
+        all-to-all (its group's tokens, 1/group of the heads)."""
+        t, cp, cluster, kind = layout.tp, layout.cp, self.cluster, layout.cp_comm_type
+        block = tokens * 2 * kv / t * 2
+        inner = {"a2a": cp, "a2a+p2p": layout.cp_a2a_size or 1}.get(kind, 1)
+        if inner > 1:
+            exchange = cluster.all_to_all(tokens * (2 * q + 2 * kv) / t * 2, inner, cluster.ranks_per_node(inner, t))
+            fwd.add("cp_comm", exchange)
+            bwd.add("cp_comm", exchange)
+        if kind == "all_gather":
+            gather = cluster.all_gather(cp * block, cp, cluster.ranks_per_node(cp, t))
+            fwd.add("cp_comm", gather)
+            bwd.add("cp_comm", 2 * gather)   # the gather again, and the reduce-scatter of dK, dV
+        elif cp // inner > 1:
+            across = t * cp > cluster.gpus_per_node
+            ring = (cp // inner - 1) * cluster.send(block, across)
+            link = cluster.network if across else cluster.nvlink
+            fwd.add("cp_comm", _overlapped(ring, fwd.times["attention"], True, link))
+            bwd.add("cp_comm", _overlapped(2 * ring, bwd.times["attention"], True, link))
 
     def output_layer(self, layout: Layout, vocab: int) -> tuple[Phase, Phase]:
-        """Logits GEMM and vocab-parallel cross-entropy for one micro-batch (last stage)."""
+        """Logits GEMM and vocab-parallel cross-entropy for one micro-batch (last stage), then each
+        multi-token prediction depth (tessera.perf.deepseek)."""
+        model, t = self.model, layout.tp
         tokens = layout.micro_batch_size * self.seq / layout.cp
-        logits = self.gemm(tokens, vocab / layout.tp, self.model.hidden_size)
+        logits = self.gemm(tokens, vocab / t, model.hidden_size)
         fwd, bwd = Phase(), Phase()
         fwd.add("gemm", logits[0])
         bwd.add("gemm", logits[1] + logits[2])
-        logits_bytes = tokens * vocab / layout.tp
+        logits_bytes = tokens * vocab / t
         fwd.add("memory_bound", logits_bytes * CROSS_ENTROPY_BYTES[0] / self.hbm)
         bwd.add("memory_bound", logits_bytes * CROSS_ENTROPY_BYTES[1] / self.hbm)
+        if model.mtp_num_layers:
+            add_mtp_depths(self, layout, fwd, bwd)
         return fwd, bwd
 
 
@@ -309,6 +349,8 @@ def balance_pipeline(model: ModelConfig, layout: Layout, cluster: Cluster, curve
             options[(first, last)] = cost(first, last)
         except ConfigError:   # the other stages cannot split the rest evenly
             continue
+    if not options:   # no split near even works (the layout's own, if any, stands)
+        return layout
     first, last = min(options, key=options.get)
     return replace(layout, first_stage_layers=first, last_stage_layers=last)
 

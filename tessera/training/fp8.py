@@ -4,7 +4,10 @@ The linear layers of the transformer blocks (QKV, attention output, MLP) get an 
 (tessera.kernels.fp8) in place of F.linear; the embedding, the output layer, the router,
 norms and attention stay in bf16, as in Megatron and DeepSeek-V3. With
 --first-last-layers-bf16 the first and last few blocks (global layer indices, so a
-pipeline stage knows its own) stay in bf16 too.
+pipeline stage knows its own) stay in bf16 too. The blockwise recipe gets a BlockwiseFp8Linear
+(tessera.kernels.fp8_blockwise), whose 128-blocks need every dimension divisible by 128: a
+layer that is not is an error naming it, not a silent bf16 fallback, so that a run is FP8 where
+its flags say.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from torch import nn
 
 from tessera.config import ConfigError, TrainConfig
 from tessera.kernels.fp8 import Fp8Linear, Fp8Recipe
+from tessera.kernels.fp8_blockwise import BlockwiseFp8Linear
 from tessera.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 
@@ -26,8 +30,9 @@ def recipe_of(train: TrainConfig) -> Fp8Recipe | None:
                      fp8_wgrad=not train.no_fp8_wgrad)
 
 
-def check_device(device: torch.device) -> None:
-    """FP8 GEMMs need FP8 tensor cores: Ada or Hopper (compute capability 8.9) and later."""
+def check_device(device: torch.device, recipe: Fp8Recipe) -> None:
+    """FP8 GEMMs need FP8 tensor cores: Ada or Hopper (compute capability 8.9) and later; cuBLAS's
+    block-scaled GEMMs exist on Hopper (9.x) only."""
     if device.type != "cuda":
         raise ConfigError(f"--fp8-format needs a CUDA GPU with FP8 tensor cores (compute capability >= 8.9); "
                           f"this run is on {device.type}")
@@ -35,6 +40,10 @@ def check_device(device: torch.device) -> None:
     if capability < (8, 9):
         raise ConfigError(f"--fp8-format needs FP8 tensor cores (compute capability >= 8.9); "
                           f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}")
+    if recipe.recipe == "blockwise" and capability[0] != 9:
+        raise ConfigError(f"--fp8-recipe blockwise needs a Hopper GPU (cuBLAS's 1x128 / 128x128 block-scaled "
+                          f"GEMMs are SM 9.x only); {torch.cuda.get_device_name(device)} has "
+                          f"{capability[0]}.{capability[1]}: use --fp8-recipe tensorwise")
 
 
 def bf16_layers(train: TrainConfig, num_layers: int) -> set[int]:
@@ -45,14 +54,23 @@ def bf16_layers(train: TrainConfig, num_layers: int) -> set[int]:
     return set(range(min(start, num_layers))) | set(range(max(num_layers - end, 0), num_layers))
 
 
-def apply_fp8(layers, recipe: Fp8Recipe, keep_bf16: set[int], tokens_per_micro_batch: int) -> list[Fp8Linear]:
-    """Give every linear of the blocks not in `keep_bf16` an Fp8Linear; returns them all.
+def fp8_linear(recipe: Fp8Recipe, device: torch.device | str | None = None) -> nn.Module:
+    """The FP8 GEMM of one linear layer for this recipe."""
+    return BlockwiseFp8Linear(recipe) if recipe.recipe == "blockwise" else Fp8Linear(recipe, device=device)
 
-    `layers` yields (global index, block). FP8 GEMMs need every dimension divisible by 16.
+
+def apply_fp8(layers, recipe: Fp8Recipe, keep_bf16: set[int], tokens_per_micro_batch: int) -> list[nn.Module]:
+    """Give every linear of the blocks not in `keep_bf16` an Fp8Linear (BlockwiseFp8Linear for the
+    blockwise recipe); returns them all.
+
+    `layers` yields (global index, block). FP8 GEMMs need every dimension divisible by 16; blockwise
+    ones by 128 (wgrad's tiles run along the tokens).
     """
-    if tokens_per_micro_batch % 16:
-        raise ConfigError(f"--fp8-format: FP8 GEMMs need the tokens per micro-batch per rank "
-                          f"({tokens_per_micro_batch}) divisible by 16 (--micro-batch-size x --seq-length)")
+    blockwise = recipe.recipe == "blockwise"
+    align, who = (128, "--fp8-recipe blockwise") if blockwise else (16, "--fp8-format")
+    if tokens_per_micro_batch % align:
+        raise ConfigError(f"{who}: FP8 GEMMs need the tokens per micro-batch per rank "
+                          f"({tokens_per_micro_batch}) divisible by {align} (--micro-batch-size x --seq-length)")
     fp8_layers = []
     for index, block in layers:
         if index in keep_bf16:
@@ -60,10 +78,11 @@ def apply_fp8(layers, recipe: Fp8Recipe, keep_bf16: set[int], tokens_per_micro_b
         for name, module in block.named_modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 rows, columns = module.weight.shape
-                if rows % 16 or columns % 16:
-                    raise ConfigError(f"--fp8-format: layer {index}'s {name} has a {rows} x {columns} weight on "
-                                      "each rank; FP8 GEMMs need both dimensions divisible by 16")
-                module.fp8 = Fp8Linear(recipe, device=module.weight.device)
+                if rows % align or columns % align:
+                    raise ConfigError(f"{who}: layer {index}'s {name} has a {rows} x {columns} weight on each rank; "
+                                      f"FP8 GEMMs need both dimensions divisible by {align}"
+                                      + (" (or use --fp8-recipe tensorwise)" if blockwise else ""))
+                module.fp8 = fp8_linear(recipe, module.weight.device)
                 fp8_layers.append(module.fp8)
     return fp8_layers
 

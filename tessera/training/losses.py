@@ -1,9 +1,20 @@
 """The training objective, in one place: the LM loss over the global batch's tokens, plus
-every MoE layer's load-balancing losses with Megatron's weight.
+the multi-token-prediction losses and every MoE layer's load-balancing losses with
+Megatron's weights.
 
 LM: each rank backpropagates its micro-batch's masked per-token loss sum x loss scale /
 the unmasked tokens of the whole global batch. Summed over ranks and micro-batches that is
 the gradient of the token mean, whatever the layout.
+
+MTP (--mtp-num-layers D): depth k's masked per-token losses (its mask: the LM's, shifted
+with the targets, tessera.models.mtp.depth_loss_mask) join the same sum with the weight
+--mtp-loss-scaling-factor / D, over the same tokens as the LM loss:
+
+    objective = (sum of LM losses + factor / D x sum over depths of depth-k losses) / LM tokens
+
+(Megatron's weight, and its normalisation under --calculate-per-token-loss, which is how
+tessera normalises the LM loss.) The reported LM loss leaves them out; each depth is
+logged as 'mtp_k loss', its mean over its own targets (`LossTerms`).
 
 MoE: each router computes its micro-batch's load-balancing losses times their
 coefficients (its rank's part of them; the parts add up over the ranks sharing the
@@ -28,8 +39,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from tessera.config import ModelConfig
+from tessera.models.documents import Documents
 from tessera.models.gpt import GPTModel
-from tessera.models.router import LOSS_NAMES
+from tessera.models.mtp import depth_loss_mask
+from tessera.models.router import LOSS_NAMES, loss_coefficients
 from tessera.parallel.mesh import Mesh
 
 IMBALANCE = "expert_load_imbalance"
@@ -40,6 +54,44 @@ def masked_loss_sum(losses: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tens
     return (losses * loss_mask).sum()
 
 
+class LossTerms:
+    """The LM and MTP terms of one step (or evaluation): each micro-batch's share of the
+    objective, and the sums behind the logged losses."""
+
+    def __init__(self, config: ModelConfig, mesh: Mesh, device: torch.device):
+        self.depths = config.mtp_num_layers or 0
+        self.mtp_weight = config.mtp_loss_scaling_factor / self.depths if self.depths else 0.0
+        self.mesh = mesh
+        # This rank's [LM loss sum, each depth's loss sum, each depth's number of targets].
+        self.sums = torch.zeros(1 + 2 * self.depths, device=device)
+
+    def begin(self) -> None:
+        self.sums.zero_()
+
+    def micro_batch(self, losses: torch.Tensor, loss_mask: torch.Tensor, documents: Documents | None = None
+                    ) -> torch.Tensor:
+        """A micro-batch's part of the objective, before the 1 / LM tokens scale: the masked sum
+        of the LM's per-token losses [b, s], or of losses [1 + D, b, s] with the MTP depths'
+        (GPTModel.head_with_mtp) weighted in."""
+        if losses.ndim == 2:
+            lm = masked_loss_sum(losses, loss_mask)
+            self.sums[0] += lm.detach()
+            return lm
+        masks = torch.stack([loss_mask] + [depth_loss_mask(loss_mask, k, documents)
+                                           for k in range(1, self.depths + 1)]).to(losses.dtype)
+        sums = (losses * masks).sum(dim=(1, 2))
+        self.sums += torch.cat([sums.detach(), masks[1:].sum(dim=(1, 2))])
+        return sums[0] + self.mtp_weight * sums[1:].sum()
+
+    def finish(self, lm_tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Summed over pipeline stages (the last holds them) and data-parallel ranks: the LM
+        loss (mean over `lm_tokens`, the global batch's) and each depth's mean loss, by log name."""
+        sums = _sum(_sum(self.sums.clone(), self.mesh.group("pp")), self.mesh.group("dp_cp"))
+        depths = self.depths
+        mtp = {f"mtp_{k} loss": sums[k] / sums[depths + k].clamp(min=1) for k in range(1, depths + 1)}
+        return sums[0] / lm_tokens, mtp
+
+
 class MoEBalance:
     """The MoE layers' share of the objective and of the log, for one model (stage)."""
 
@@ -48,10 +100,11 @@ class MoEBalance:
         self.layers = model.moe_layers()
         self.mesh, self.bias_update_rate, self.per_layer = mesh, bias_update_rate, per_layer
         self.micro_batch_weight = 1.0 / (num_micro_batches * mesh.dp_size)
-        self.pattern = model.config.moe_layers()   # of the whole model, also under PP
+        self.pattern = model.config.moe_layers(with_mtp=True)   # of the whole model, also under PP
         self.total_moe_layers = sum(self.pattern)
-        router = next(iter(self.layers.values())).router if self.layers else None
-        self.loss_names = [LOSS_NAMES[name] for name in router.loss_names] if router else []
+        # From the config: a pipeline stage may hold no MoE layer, yet joins the same collectives.
+        self.loss_names = [LOSS_NAMES[name] for name in loss_coefficients(model.config)] \
+            if model.config.num_experts else []
 
     @property
     def active(self) -> bool:

@@ -59,6 +59,7 @@ class IterationStats:
     nan_iterations: int
     mem_gb: float
     moe: dict[str, float] = field(default_factory=dict)   # MoE losses and load imbalance, by name
+    mtp: dict[str, float] = field(default_factory=dict)   # each MTP depth's loss ("mtp_1 loss", ...), apart from the LM's
     flops_per_iteration: float | None = None   # when the data decides them (packed documents); else the writer's
 
 
@@ -94,7 +95,7 @@ class MetricsWriter:
             "lr": stats.lr, "grad_norm": stats.grad_norm, "loss_scale": stats.loss_scale,
             "skipped_iterations": stats.skipped_iterations, "nan_iterations": stats.nan_iterations,
             "iteration_time_ms": stats.seconds_per_iteration * 1e3, **speed, "mem_gb": stats.mem_gb,
-            **{name.replace(" ", "_"): value for name, value in stats.moe.items()},
+            **{name.replace(" ", "_"): value for name, value in {**stats.mtp, **stats.moe}.items()},
         }
         remaining = (stats.train_iters - stats.iteration) * stats.seconds_per_iteration
         mfu = f"{speed['mfu'] * 100:.1f}%" if speed["mfu"] is not None else "n/a"
@@ -108,6 +109,7 @@ class MetricsWriter:
             f"learning rate: {stats.lr:.6E}",
             f"global batch size: {self.global_batch_size:5d}",
             f"lm loss: {stats.loss:.6E}",
+            *(f"{name}: {value:.6E}" for name, value in stats.mtp.items()),
             *(f"{name}: {value:.6E}" if "imbalance" not in name else f"{name}: {value:.3f}"
               for name, value in stats.moe.items()),
             f"loss scale: {stats.loss_scale:.6g}",

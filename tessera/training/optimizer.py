@@ -18,8 +18,9 @@ grads sharded over tensor-parallel ranks count their own elements; grads replica
 TP (norms, row-parallel biases) count on TP rank 0 only; grads replicated over data-
 parallel ranks count on the first replica, and those sharded over them (distributed
 optimizer, FSDP2) each their own slice; expert weights likewise over expert parallelism
-and expert data parallelism; the tied word embedding counts on the first pipeline stage
-only (after its gradient has been summed over the first and last stage).
+and expert data parallelism; the word embedding that the last pipeline stage also holds
+(tied, or MTP's input) counts on the first stage only (after its gradient has been summed
+over the first and last stage).
 """
 
 from __future__ import annotations
@@ -53,10 +54,10 @@ class TrainingOptimizer:
         self.dp_sharded = dp_sharded  # each rank holds only its slice of the reduced grads
         self.pipeline = pipeline
         self._buffer_of = {param: grads for grads in buffers for param in grads.ranges}
-        # Under PP with tied embeddings the first and last stage each hold the word embedding.
+        # Under PP with tied embeddings or MTP the first and last stage each hold the word embedding.
         embedding = getattr(model, "embedding", None)
         self._tied = embedding.weight if pipeline is not None and embedding is not None \
-            and model.config.tie_embeddings else None
+            and model.config.last_stage_embedding else None
         self._norm_skips = self._tied if self._tied is not None and not model.pre_process else None
 
     @property
@@ -112,7 +113,7 @@ class TrainingOptimizer:
         """Global L2 norm of the (still loss-scaled) gradients; inf/nan on overflow."""
         plain, masked = [], []
         for grad, param, offset in self._owned_grads():
-            if param is self._norm_skips:   # the tied embedding's copy on the last stage: counted on the first
+            if param is self._norm_skips:   # the embedding's copy on the last stage: counted on the first
                 continue
             if not (self.dp_sharded or self._first_replica(param)):
                 continue

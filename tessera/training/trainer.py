@@ -9,7 +9,9 @@ and metrics (DESIGN.md). One iteration:
 
 Each rank divides its loss by the number of unmasked tokens in the whole global batch, so
 summing gradients over ranks gives the mean over tokens exactly once, and neither the
-micro-batch split nor the number of data-parallel ranks changes the maths.
+micro-batch split nor the number of data-parallel ranks changes the maths. Under context
+parallelism each rank holds its chunks of every sample (cut in `_to_device`) and counts
+their tokens: the same sum, over the data x context group.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from tessera.config import ConfigError, RunConfig
+from tessera.config import RunConfig
 from tessera.data.mock import MockGPTDataset
 from tessera.models.documents import Documents, default_backend
 from tessera.models.gpt import GPTModel, Recompute, initialize_parameters
+from tessera.parallel.context import ContextParallel
+from tessera.parallel.context_split import SplitDocuments, ZigzagSplit
 from tessera.parallel.experts import ExpertGroups
 from tessera.parallel.fsdp import apply_fsdp2
 from tessera.parallel.launch import build_in_turns, init_distributed
@@ -36,7 +40,7 @@ from tessera.parallel.pipeline_schedules import build_schedule, stage_layer_rang
 from tessera.perf.flops import count_parameters, flops_per_iteration
 from tessera.training import fp8
 from tessera.training.checkpoint import Checkpointer
-from tessera.training.losses import MoEBalance, masked_loss_sum
+from tessera.training.losses import LossTerms, MoEBalance
 from tessera.training.nan_check import NonFiniteCheck
 from tessera.training.metrics import IterationStats, MetricsWriter, peak_memory_gb, resolve_peak_tflops
 from tessera.training.optimizer import build_optimizer
@@ -56,11 +60,13 @@ class StepResult:
     grad_norm: torch.Tensor | float
     skipped: torch.Tensor | bool
     moe: dict[str, torch.Tensor | float] = field(default_factory=dict)   # MoE losses and load, by name
+    mtp: dict[str, torch.Tensor | float] = field(default_factory=dict)   # each MTP depth's loss, by name
 
     def resolve(self) -> "StepResult":
-        loss, norm, skipped, *moe = torch.stack([self.loss, self.grad_norm, self.skipped.float(),
-                                                 *self.moe.values()]).tolist()
-        return StepResult(loss, norm, bool(skipped), dict(zip(self.moe, moe)))
+        loss, norm, skipped, *extra = torch.stack([self.loss, self.grad_norm, self.skipped.float(),
+                                                   *self.moe.values(), *self.mtp.values()]).tolist()
+        moe, mtp = extra[:len(self.moe)], extra[len(self.moe):]
+        return StepResult(loss, norm, bool(skipped), dict(zip(self.moe, moe)), dict(zip(self.mtp, mtp)))
 
 
 def resolve_device(name: str) -> torch.device:
@@ -75,8 +81,6 @@ class Trainer:
     def __init__(self, config: RunConfig):
         self.config = config
         train, parallel = config.train, config.parallel
-        if parallel.context_parallel_size > 1:  # planned for (tessera plan models it), not trainable yet
-            raise ConfigError("--context-parallel-size > 1: not implemented in the trainer yet")
         self.device = init_distributed(resolve_device(train.device), config)
         self.mesh = Mesh.build(parallel, self.device.type)
         self.data = _DataSource(config, self.mesh)
@@ -85,19 +89,24 @@ class Trainer:
         stage = self._pipeline_stage()
         expert_groups = ExpertGroups.from_mesh(self.mesh, parallel.moe_token_dispatcher_type) \
             if config.model.num_experts else None
+        self.context_parallel = ContextParallel(tuple(parallel.cp_comm_type), self.mesh.group("cp"),
+                                                self.mesh.group("cp_inner"), self.mesh.group("cp_outer")) \
+            if self.mesh.cp_size > 1 else None
         with torch.device(self.device):
             self.model = GPTModel(config.model, tp_group=self.mesh.tp_group, sequence_parallel=parallel.sequence_parallel,
-                                  recompute=recompute, expert_groups=expert_groups, **stage)
+                                  recompute=recompute, expert_groups=expert_groups,
+                                  context_parallel=self.context_parallel, **stage)
         initialize_parameters(self.model, train.seed)
         self.fp8_layers = self._apply_fp8()
         self.moe = MoEBalance(self.model, self.mesh, num_micro_batches=config.num_micro_batches,
                               bias_update_rate=config.model.moe_router_bias_update_rate,
                               per_layer=train.moe_per_layer_logging)
+        self.losses = LossTerms(config.model, self.mesh, self.device)
         if train.compile if train.compile is not None else self.device.type == "cuda":
             self._compile()
         if parallel.use_torch_fsdp2:
             apply_fsdp2(self.model, self.mesh)
-        self.pipeline = PipelineGroups.build(self.mesh, tied_embeddings=config.model.tie_embeddings) \
+        self.pipeline = PipelineGroups.build(self.mesh, shared_embedding=config.model.last_stage_embedding) \
             if self.mesh.pp_size > 1 else None
         self.optimizer = build_optimizer(self.model, config.optim, parallel, self.mesh, bf16=train.bf16,
                                          pipeline=self.pipeline, micro_batches=config.num_micro_batches)
@@ -138,7 +147,7 @@ class Trainer:
         recipe = fp8.recipe_of(self.config.train)
         if recipe is None:
             return []
-        fp8.check_device(self.device)
+        fp8.check_device(self.device, recipe)
         cfg = self.config
         return fp8.apply_fp8(self.model.layers.items(), recipe, fp8.bf16_layers(cfg.train, cfg.model.num_layers),
                              cfg.train.micro_batch_size * cfg.model.seq_length // self.mesh.cp_size)
@@ -175,7 +184,7 @@ class Trainer:
 
     def _stage_forward(self, chunk: int, batch: Batch, hidden: torch.Tensor | None) -> torch.Tensor:
         """One model chunk on one micro-batch: its output activation, or on the last virtual
-        stage the sum of the masked per-token losses."""
+        stage its part of the objective (LossTerms.micro_batch)."""
         stage = self.runner.stage(chunk)
         position_ids, documents = batch.get("position_ids"), batch.get("documents")
         layers = [self.model.layers[i] for i in self.chunk_layers[chunk]]
@@ -185,45 +194,49 @@ class Trainer:
             hidden = self.model.run_layers(hidden, position_ids, documents, layers=layers)
             if stage < self.runner.last_stage:
                 return hidden
-            losses = self.model.head(hidden, batch["labels"])
-        return masked_loss_sum(losses, batch["loss_mask"])
+            if self._with_mtp:
+                losses = self.model.head_with_mtp(hidden, batch["tokens"], batch["labels"], position_ids, documents)
+            else:
+                losses = self.model.head(hidden, batch["labels"])
+        return self.losses.micro_batch(losses, batch["loss_mask"], documents)
 
     def _run_pipeline(self, runner: PipelineRunner, micro_batches: list[Batch], loss_scale: torch.Tensor | None
-                      ) -> torch.Tensor:
-        """Run a schedule over the micro-batches; the loss sum, on every pipeline rank.
+                      ) -> None:
+        """Run a schedule over the micro-batches (their losses add up in self.losses).
         `loss_scale` (loss scale / global tokens) is what the last stage backpropagates."""
         self.optimizer.wait_for_parameters()   # stages call embed/run_layers/head, not the gather hooks
-        loss_sum = torch.zeros((), device=self.device)
 
         def forward_step(chunk: int, index: int, hidden: torch.Tensor | None) -> torch.Tensor:
-            nonlocal loss_sum
             output = self._stage_forward(chunk, micro_batches[index], hidden)
-            if runner.stage(chunk) < runner.last_stage:
+            if runner.stage(chunk) < runner.last_stage or loss_scale is None:
                 return output
-            loss_sum = loss_sum + output.detach()
-            return output * loss_scale if loss_scale is not None else output
+            return output * loss_scale
 
         last_backwards = runner.schedule.last_backwards(self.mesh.pp_rank)
         runner.run(forward_step, before_backward=lambda mb, chunk: self.optimizer.set_last_micro_batch(
             (mb, chunk) in last_backwards))   # each chunk's buckets may start in its own last backward
-        dist.all_reduce(loss_sum, group=self.mesh.group("pp"))   # only the last stage holds losses
-        return loss_sum
 
     def _compile(self) -> None:
         """Compile each block and the output head separately: small graphs compile fast
         and every block reuses the first one's kernels."""
-        for layer in self.model.layers:
+        mtp_blocks = [depth.layer for depth in self.model.mtp.layers] if self.model.mtp is not None else []
+        for layer in [*self.model.layers, *mtp_blocks]:
             layer.compile()
         self.model.head = torch.compile(self.model.head)  # instance attribute shadows the method
 
     # -- one iteration -----------------------------------------------------------------
 
+    @property
+    def _with_mtp(self) -> bool:
+        """Whether the MTP depths run: in training (evaluation reports the LM loss only)."""
+        return self.model.mtp is not None and self.model.training
+
     def _forward(self, batch: Batch) -> torch.Tensor:
-        """Sum of the masked per-token losses of one micro-batch."""
+        """One micro-batch's part of the objective: its masked loss sum (LossTerms.micro_batch)."""
         with autocast(self.device.type, self.amp_dtype):
             losses = self.model(batch["tokens"], labels=batch["labels"], position_ids=batch.get("position_ids"),
-                                documents=batch.get("documents"))
-        return masked_loss_sum(losses, batch["loss_mask"])
+                                documents=batch.get("documents"), mtp=self._with_mtp)
+        return self.losses.micro_batch(losses, batch["loss_mask"], batch.get("documents"))
 
     def _sum_over_data_parallel(self, value: torch.Tensor) -> torch.Tensor:
         group = self.mesh.group("dp_cp")
@@ -241,17 +254,15 @@ class Trainer:
         scale = self.loss_scaler.scale
         self.moe.set_loss_scale(scale)
         self.optimizer.zero_grad()
+        self.losses.begin()
         if self.stragglers is not None:
             self.stragglers.start()
         if self.pipeline is not None:
-            loss_sum = self._run_pipeline(self.runner, micro_batches, scale / tokens)
+            self._run_pipeline(self.runner, micro_batches, scale / tokens)
         else:
-            loss_sum = torch.zeros((), device=self.device)
             for index, batch in enumerate(micro_batches):
                 self.optimizer.set_last_micro_batch(index == len(micro_batches) - 1)
-                loss = self._forward(batch)
-                (loss * (scale / tokens)).backward()
-                loss_sum += loss.detach()
+                (self._forward(batch) * (scale / tokens)).backward()
         if self.stragglers is not None:
             self.stragglers.stop()   # before waiting for the other ranks' gradients
         self.optimizer.finish_grad_sync()
@@ -263,23 +274,24 @@ class Trainer:
         fp8.end_step(self.fp8_layers, self.mesh.group("tp_dp_cp"))
         self.iteration += 1
         self.consumed_samples += self.config.train.global_batch_size
-        loss = self._sum_over_data_parallel(loss_sum) / tokens
-        return StepResult(loss, norm, self.optimizer.found_inf > 0, moe_metrics)
+        loss, mtp_metrics = self.losses.finish(tokens)
+        return StepResult(loss, norm, self.optimizer.found_inf > 0, moe_metrics, mtp_metrics)
 
     @torch.no_grad()
     def evaluate(self) -> float:
         self.model.eval()
-        total = torch.zeros((), device=self.device)
+        self.losses.begin()
         tokens = torch.zeros((), device=self.device)
         for _ in range(self.config.train.eval_iters):
             batches = [self._to_device(next(self.valid_data)) for _ in range(self.config.num_micro_batches)]
             if self.pipeline is not None:
-                total += self._run_pipeline(self.eval_runner, batches, None)
+                self._run_pipeline(self.eval_runner, batches, None)
             else:
-                total += sum(self._forward(batch) for batch in batches)
+                for batch in batches:
+                    self._forward(batch)
             tokens += sum(batch["loss_mask"].sum() for batch in batches)
-        totals = self._sum_over_data_parallel(torch.stack([total, tokens]))
-        return (totals[0] / totals[1].clamp(min=1)).item()
+        loss, _ = self.losses.finish(self._sum_over_data_parallel(tokens).clamp(min=1))
+        return loss.item()
 
     # -- the loop ----------------------------------------------------------------------
 
@@ -326,13 +338,14 @@ class Trainer:
                     self.nan_iterations += 1
         losses = [r.loss for r in results if not r.skipped]
         moe = {name: sum(r.moe[name] for r in results) / len(results) for name in results[-1].moe}
+        mtp = {name: sum(r.mtp[name] for r in results) / len(results) for name in results[-1].mtp}
         self.metrics.log_iteration(IterationStats(
             iteration=self.iteration, train_iters=self.config.train.train_iters,
             consumed_samples=self.consumed_samples, seconds_per_iteration=seconds_per_iteration,
             loss=sum(losses) / len(losses) if losses else float("nan"),
             lr=self.optimizer.param_groups[0]["lr"], grad_norm=results[-1].grad_norm,
             loss_scale=self.loss_scaler.scale, skipped_iterations=self.skipped_iterations,
-            nan_iterations=self.nan_iterations, mem_gb=peak_memory_gb(self.device), moe=moe,
+            nan_iterations=self.nan_iterations, mem_gb=peak_memory_gb(self.device), moe=moe, mtp=mtp,
             flops_per_iteration=self._packed_flops_per_iteration(len(results)),
         ))
         if self.pipeline is not None:
@@ -375,9 +388,21 @@ class Trainer:
 
     def _to_device(self, batch: Batch) -> Batch:
         moved = {k: v.to(self.device, non_blocking=True) for k, v in batch.items() if k != "cu_seqlens"}
-        if "cu_seqlens" in batch:   # packed documents: boundaries checked and read on the host, once
-            moved["documents"] = Documents.from_cu_seqlens(batch["cu_seqlens"], *batch["tokens"].shape,
-                                                           backend=self.document_backend, device=self.device)
+        cp = self.context_parallel
+        whole = None   # packed documents: boundaries checked and read on the host, once
+        if "cu_seqlens" in batch and (cp is None or "a2a" in cp.comm_types):   # a2a attends over whole samples
+            whole = Documents.from_cu_seqlens(batch["cu_seqlens"], *batch["tokens"].shape,
+                                              backend=self.document_backend, device=self.device)
+        if cp is None:
+            return moved if whole is None else {**moved, "documents": whole}
+        # Context parallelism: this rank's chunks of every tensor along the sequence, cut once, here.
+        batch_size, seq_length = batch["tokens"].shape
+        split = ZigzagSplit.uniform(cp.size, seq_length) if "cu_seqlens" not in batch else \
+            ZigzagSplit.of_cu_seqlens(batch["cu_seqlens"].tolist(), seq_length, cp.size)
+        moved.setdefault("position_ids", torch.arange(seq_length, device=self.device).expand(batch_size, -1))
+        moved = {name: split.split(tensor, cp.rank) for name, tensor in moved.items()}
+        if "cu_seqlens" in batch:
+            moved["documents"] = SplitDocuments(split, whole)
         return moved
 
     def _synchronize(self) -> None:

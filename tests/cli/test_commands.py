@@ -79,13 +79,13 @@ def test_unknown_command():
     assert result.returncode == 2 and "unknown command 'trian'" in result.stderr
 
 
-def test_unimplemented_parallelism_is_refused_at_start():
+def test_a_bad_context_parallel_layout_is_refused_at_start():
     # Refused before any process group is joined, so one process can stand for two.
     result = subprocess.run([sys.executable, "-m", "tessera", "train", "--model", "tiny-gpt", "--mock-data", "--lr",
-                             "1", "--train-iters", "1", "--context-parallel-size", "2"],
+                             "1", "--train-iters", "1", "--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p"],
                             capture_output=True, text=True, timeout=300, env={**os.environ, "WORLD_SIZE": "2"})
     assert result.returncode == 2
-    assert "--context-parallel-size > 1: not implemented in the trainer yet" in result.stderr
+    assert "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes" in result.stderr
 
 
 def test_expert_parallelism_needs_experts():

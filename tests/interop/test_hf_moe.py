@@ -48,13 +48,9 @@ FAMILIES = {
 LAYOUTS = {"per-expert": True, "fused": False}   # save_original_format
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def saved(request, tmp_path_factory):
-    """(eager HF model, {layout: its saved directory}) of one family."""
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(FAMILIES[request.param](),
-                                                          experts_implementation="eager").eval()
-    with torch.no_grad():  # norms away from 1, biases away from 0, a decisive router
+def widened(model):
+    """`model` with its norms away from 1, biases away from 0 and a decisive router."""
+    with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.normal_(1.0, 0.1)
@@ -62,6 +58,24 @@ def saved(request, tmp_path_factory):
                 param.normal_(0.0, 0.1)
             elif name.endswith("mlp.gate.weight"):
                 param.normal_(0.0, 0.5)
+    return model
+
+
+def assert_routes_alike(hf_gate, router, hidden: torch.Tensor) -> None:
+    """Same experts (as sets) and the same weights per token from an HF router and tessera's."""
+    _, hf_weights, hf_experts = hf_gate(hidden)
+    weights, experts = router.top_k(router.logits(hidden))
+    hf_order, order = hf_experts.argsort(dim=-1), experts.argsort(dim=-1)
+    assert torch.equal(experts.gather(1, order), hf_experts.gather(1, hf_order))
+    assert _max_diff(weights.gather(1, order), hf_weights.gather(1, hf_order).float()) <= 1e-6
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def saved(request, tmp_path_factory):
+    """(eager HF model, {layout: its saved directory}) of one family."""
+    torch.manual_seed(0)
+    model = widened(transformers.AutoModelForCausalLM.from_config(FAMILIES[request.param](),
+                                                                  experts_implementation="eager").eval())
     root = tmp_path_factory.mktemp(request.param)
     for layout, original_format in LAYOUTS.items():
         model.save_pretrained(root / layout, save_original_format=original_format)
@@ -109,12 +123,7 @@ def test_router_matches_transformers(saved):
     assert moe_layers
     with torch.no_grad():
         for i in moe_layers:
-            _, hf_weights, hf_experts = reference.model.layers[i].mlp.gate(hidden)
-            router = model.layers[i].mlp.router
-            weights, experts = router.top_k(router.logits(hidden))
-            hf_order, order = hf_experts.argsort(dim=-1), experts.argsort(dim=-1)
-            assert torch.equal(experts.gather(1, order), hf_experts.gather(1, hf_order))
-            assert _max_diff(weights.gather(1, order), hf_weights.gather(1, hf_order).float()) <= 1e-6
+            assert_routes_alike(reference.model.layers[i].mlp.gate, model.layers[i].mlp.router, hidden)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

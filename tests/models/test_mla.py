@@ -149,6 +149,10 @@ _BASE = ["--model", "tiny-gpt", "--lr", "1e-3", "--train-iters", "1", "--positio
     (["--multi-latent-attention", "--qk-pos-emb-head-dim", "7"], "--qk-pos-emb-head-dim (7) must be even"),
     (["--multi-latent-attention", "--v-head-dim", "0"], "--v-head-dim must be positive"),
     (["--kv-lora-rank", "16"], "--kv-lora-rank needs --multi-latent-attention"),
+    (["--latent-norm-epsilon", "1e-6"], "--latent-norm-epsilon needs --multi-latent-attention"),
+    (["--multi-latent-attention", "--qk-head-dim", "128", "--kv-channels", "192"],
+     "--kv-channels (192) does not add up with --multi-latent-attention: a query/key head is --qk-head-dim + "
+     "--qk-pos-emb-head-dim = 128 + 64 channels"),
     (["--multi-latent-attention", "--position-embedding-type", "learned_absolute"],
      "--multi-latent-attention needs --position-embedding-type rope or yarn"),
     (["--multi-latent-attention", "--rotary-scaling-factor", "40"],

@@ -141,7 +141,7 @@ def test_fp8_model_trains_close_to_the_unquantised_one():
 @pytest.mark.parametrize("flags, message", [
     (dict(fp8_format="hybrid"), "--fp8-format needs --bf16"),
     (dict(bf16=True, fp8_format="e4m3", fp8_recipe="mxfp8"), "--fp8-recipe mxfp8 needs a Blackwell GPU"),
-    (dict(bf16=True, fp8_format="e4m3", fp8_recipe="blockwise"), "--fp8-recipe blockwise: not implemented yet"),
+    (dict(bf16=True, fp8_format="hybrid", fp8_recipe="blockwise"), "--fp8-recipe blockwise needs --fp8-format e4m3"),
     (dict(bf16=True, fp8_format="hybrid", first_last_layers_bf16=True),
      "--first-last-layers-bf16 does not combine with --fp8-recipe delayed"),
     (dict(bf16=True, fp8_format="hybrid", fp8_amax_history_len=0), "--fp8-amax-history-len must be positive"),
@@ -154,7 +154,7 @@ def test_bad_fp8_settings_name_their_flags(flags, message):
 
 def test_fp8_on_cpu_and_on_undivisible_shapes_is_refused():
     with pytest.raises(ConfigError, match="--fp8-format needs a CUDA GPU with FP8 tensor cores .* on cpu"):
-        fp8.check_device(torch.device("cpu"))
+        fp8.check_device(torch.device("cpu"), Fp8Recipe(recipe="tensorwise"))
     recipe = Fp8Recipe(recipe="tensorwise")
     with pytest.raises(ConfigError, match=r"layer 0's attention.qkv has a 144 x 72 weight"):
         fp8.apply_fp8(tiny_model(hidden_size=72, num_attention_heads=4, num_query_groups=2).layers.items(),

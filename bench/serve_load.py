@@ -1,0 +1,159 @@
+"""Load on `tessera serve`: many concurrent streaming clients; aggregate tokens/s and time to first token.
+
+    python bench/serve_load.py --url http://127.0.0.1:8000 --clients 64 --requests 256 --out serve.json
+    python bench/serve_load.py --clients 64 --out serve.json -- --hf HF_DIR --port 8000   # starts the server too
+
+Each client sends streaming /v1/completions requests one after the other (`ignore_eos`, so
+every request makes exactly --max-tokens tokens) with a prompt of about --prompt-tokens
+tokens, distinct per request so that no prefix cache hides prefill. Reported: aggregate
+generated tokens/s over the whole run (first request sent to last token received), median
+and p99 time to first token (from sending the request to the first chunk with text), the
+median inter-token time per request, and the count of failed requests (HTTP errors, error
+events, short answers). With arguments after `--`, `tessera serve` is started with them,
+waited for, and stopped at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches "
+         "in the old town square near the river").split()
+
+
+def _prompt(index: int, tokens: int) -> str:
+    """About `tokens` tokens of words (a word is about one token), starting with the request's number."""
+    words = [WORDS[(index * 7 + i) % len(WORDS)] for i in range(max(tokens - 4, 1))]
+    return f"Request {index}: " + " ".join(words)
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+async def _one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    sent = time.perf_counter()
+    first = None
+    arrivals = []
+    tokens = 0
+    async with client.stream("POST", url + "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            return {"error": f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"}
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                return {"error": chunk["error"]["message"]}
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if chunk["choices"] and chunk["choices"][0]["text"]:
+                now = time.perf_counter()
+                first = first or now
+                arrivals.append(now)
+    if tokens != max_tokens:
+        return {"error": f"{tokens} tokens instead of {max_tokens}"}
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    return {"ttft": (first or time.perf_counter()) - sent, "tokens": tokens, "end": time.perf_counter(),
+            "inter_token": statistics.median(gaps) if gaps else None}
+
+
+async def _run(args: argparse.Namespace, model: str) -> dict:
+    pending = list(range(args.requests))
+    results: list[dict] = []
+    limits = httpx.Limits(max_connections=args.clients, max_keepalive_connections=args.clients)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
+        async def worker() -> None:
+            while pending:
+                index = pending.pop(0)
+                try:
+                    results.append(await _one_request(client, args.url, model, _prompt(index, args.prompt_tokens),
+                                                      args.max_tokens))
+                except (httpx.HTTPError, json.JSONDecodeError) as exc:
+                    results.append({"error": f"{type(exc).__name__}: {exc}"})
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(args.clients)))
+        wall = time.perf_counter() - start
+    good = [r for r in results if "error" not in r]
+    ttfts = [r["ttft"] for r in good]
+    gaps = [r["inter_token"] for r in good if r["inter_token"] is not None]
+    tokens = sum(r["tokens"] for r in good)
+    return {
+        "clients": args.clients, "requests": args.requests, "prompt_tokens": args.prompt_tokens,
+        "max_tokens": args.max_tokens, "model": model, "wall_s": wall, "generated_tokens": tokens,
+        "tokens_per_s": tokens / wall, "ttft_median_s": statistics.median(ttfts) if ttfts else None,
+        "ttft_p99_s": _percentile(ttfts, 99), "inter_token_median_s": statistics.median(gaps) if gaps else None,
+        "errors": len(results) - len(good), "error_examples": [r["error"] for r in results if "error" in r][:5],
+    }
+
+
+def _wait_for_health(url: str, server: subprocess.Popen | None, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if server is not None and server.poll() is not None:
+            sys.exit(f"tessera serve exited with status {server.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    sys.exit(f"{url}/health did not answer within {seconds:.0f} s")
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    serve_args = argv[argv.index("--") + 1:] if "--" in argv else None
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the server [http://127.0.0.1:8000]")
+    parser.add_argument("--clients", type=int, default=64, help="concurrent streaming clients [64]")
+    parser.add_argument("--requests", type=int, help="requests in all (default: 4 per client)")
+    parser.add_argument("--prompt-tokens", type=int, default=128, help="about this many prompt tokens [128]")
+    parser.add_argument("--max-tokens", type=int, default=256, help="tokens generated per request [256]")
+    parser.add_argument("--warmup", type=int, default=1, help="requests sent first, not measured "
+                        "(CUDA graph capture, compilation) [1]")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take [600]")
+    parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health [600]")
+    parser.add_argument("--out", help="write the result as JSON here")
+    args = parser.parse_args(argv[:argv.index("--")] if serve_args is not None else argv)
+    args.requests = args.requests or 4 * args.clients
+    server = None
+    if serve_args is not None:
+        server = subprocess.Popen([sys.executable, "-m", "tessera", "serve", *serve_args],
+                                  cwd=Path(__file__).resolve().parents[1])
+    try:
+        _wait_for_health(args.url, server, args.startup_timeout)
+        model = httpx.get(args.url + "/v1/models").json()["data"][0]["id"]
+        if args.warmup:
+            asyncio.run(_run(argparse.Namespace(**{**vars(args), "clients": args.warmup, "requests": args.warmup}),
+                             model))
+        result = asyncio.run(_run(args, model))
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=60)
+    print(f"{result['clients']} clients, {result['requests']} requests of {args.prompt_tokens} + {args.max_tokens} "
+          f"tokens: {result['tokens_per_s']:,.0f} tokens/s, time to first token median "
+          f"{(result['ttft_median_s'] or 0) * 1e3:,.0f} ms, p99 {(result['ttft_p99_s'] or 0) * 1e3:,.0f} ms, "
+          f"{result['errors']} errors")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""`tessera serve`: an OpenAI-compatible HTTP server (and Megatron's `PUT /api`) over one model.
+
+    tessera serve --hf HF_DIR --port 8000
+    curl localhost:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
+
+Routes and their schemas: tessera.inference.server and docs/inference.md.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from tessera.cli.args import _Parser, fail
+from tessera.cli.generate import add_model_arguments, build_engine
+
+PROG = "tessera serve"
+
+
+def _parser() -> _Parser:
+    parser = _Parser(prog=PROG, allow_abbrev=False, description="Serve a tessera checkpoint or a Hugging Face "
+                     "directory over HTTP: OpenAI's /v1/completions and /v1/chat/completions (streaming too), "
+                     "/v1/models, /health, and Megatron-LM's PUT /api.")
+    http = parser.add_argument_group("HTTP")
+    http.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface) "
+                      "[127.0.0.1]")
+    http.add_argument("--port", type=int, default=8000, help="[8000]")
+    http.add_argument("--served-model-name", help="the model's name in the API (default: the directory's name)")
+    http.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                      help="uvicorn's log level [info]")
+    add_model_arguments(parser)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    if not 0 <= args.port < 65536:
+        fail(PROG, f"--port must be in [0, 65535], got {args.port}")
+    try:
+        import uvicorn
+
+        from tessera.inference.server import create_app
+    except ImportError as exc:
+        fail(PROG, f"{exc.name} is missing: pip install 'tessera[serve]'")
+    engine, tokenizer, name = build_engine(args, PROG)
+    app = create_app(engine, tokenizer, model_name=args.served_model_name or name)
+    print(f"{PROG}: '{app.state.server.model_name}' on http://{args.host}:{args.port}/v1 "
+          f"(context {engine.max_seq_length}, {args.inference_max_requests} requests at a time)", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

@@ -1,0 +1,212 @@
+"""The inference engine: requests in, tokens out, many requests sharing each forward pass.
+
+    engine = Engine(model, max_requests=64, eos_token_ids=[2])
+    engine.add_request("a", prompt_ids, SamplingParams(max_tokens=32, temperature=0))
+    while engine.has_unfinished_requests():
+        for output in engine.step():          # new tokens of each request that got one
+            ...
+    completions = engine.generate([ids_1, ids_2], SamplingParams(temperature=0))   # or all at once
+
+Each `step` is one scheduler step (tessera.inference.scheduler: prefill chunks and decode
+tokens under a token budget, continuous batching, preemption), one forward pass over the
+paged KV cache (tessera.inference.runner, kv_cache, paged_attention; CUDA graphs for decode
+steps on a GPU) and one sampling pass (tessera.inference.sampling). Synchronous and
+single-threaded; requests beyond capacity wait in its queue.
+
+Under tensor parallelism every rank of the TP group builds the same engine and is given
+the same requests in the same order: the logits are gathered over TP, and sampling is a
+function of the logits and each request's seed, so every rank picks the same tokens and
+the ranks stay in step with no other communication.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from tessera.inference.kv_cache import PagedKVCache
+from tessera.inference.runner import ModelRunner
+from tessera.inference.sampling import Sampler, SamplingParams
+from tessera.inference.scheduler import Request, Scheduler
+from tessera.models.gpt import GPTModel
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    token_ids: list[int]                          # new tokens since this request's previous output
+    logprobs: list[float] | None                  # one per new token, when params.logprobs is not None
+    top_logprobs: list[dict[int, float]] | None
+    finished: bool
+    finish_reason: str | None                     # "stop" (EOS or a stop token), "length", "abort"
+    prompt_tokens: int
+    completion_tokens: int                        # all generated so far
+
+
+@dataclass
+class Completion:
+    """A finished request, as `Engine.generate` returns it."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+
+
+class Engine:
+    """Continuous batching over a paged KV cache, for one GPTModel (this rank's shard under TP).
+
+    `num_blocks` defaults to room for `max_requests` requests of `max_seq_length` tokens (on
+    CUDA at most `kv_memory_fraction` of the free memory); with fewer, requests are preempted
+    and recomputed when the blocks run out. `prefix_caching` reuses the KV blocks of prompts
+    that start alike. `vocab_size` (default the model config's) excludes the output layer's
+    padding rows from sampling. On CUDA, decode steps replay CUDA graphs (`cuda_graphs`) of the
+    decode step compiled with torch.compile (`compile`; the first step of each new batch
+    shape captures its graph, and the first one compiles, tens of seconds for a 1B model).
+    """
+
+    def __init__(self, model: GPTModel, *, max_requests: int = 64, max_seq_length: int | None = None,
+                 block_size: int = 16, num_blocks: int | None = None, max_batched_tokens: int = 2048,
+                 eos_token_ids: Sequence[int] = (), seed: int = 0, prefix_caching: bool = True,
+                 cuda_graphs: bool = True, compile: bool = True, kv_memory_fraction: float = 0.8,
+                 vocab_size: int | None = None):
+        config = model.config
+        limit = config.max_position_embeddings or config.seq_length
+        self.max_seq_length = max_seq_length or limit
+        for name, value, low in (("max_requests", max_requests, 1), ("block_size", block_size, 1),
+                                 ("max_batched_tokens", max_batched_tokens, 1), ("max_seq_length",
+                                                                                  self.max_seq_length, 1)):
+            if value < low:
+                raise ValueError(f"{name} must be >= {low}, got {value}")
+        if self.max_seq_length > limit:
+            raise ValueError(f"max_seq_length ({self.max_seq_length}) exceeds the model's position limit ({limit})")
+        self.model = model.eval()
+        self.vocab_size = vocab_size or config.vocab_size or model.vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        parameter = next(model.parameters())
+        shapes = PagedKVCache.model_shapes(model)
+        blocks_per_request = math.ceil(self.max_seq_length / block_size)
+        if num_blocks is None:
+            num_blocks = max_requests * blocks_per_request + 1
+            if parameter.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(parameter.device)
+                affordable = int(free * kv_memory_fraction) // PagedKVCache.bytes_per_block(
+                    shapes, block_size, parameter.dtype)
+                num_blocks = max(min(num_blocks, affordable), 2)
+        self.cache = PagedKVCache(shapes, num_blocks, block_size, dtype=parameter.dtype, device=parameter.device,
+                                  prefix_caching=prefix_caching)
+        self.scheduler = Scheduler(self.cache.allocator, max_requests=max_requests,
+                                   max_batched_tokens=max_batched_tokens)
+        self.runner = ModelRunner(model, self.cache, self.vocab_size, max_rows=max_requests,
+                                  max_blocks=blocks_per_request, cuda_graphs=cuda_graphs, compile=compile)
+        self.sampler = Sampler(self.vocab_size, self.eos_token_ids)
+        self._generator = torch.Generator().manual_seed(seed)
+        self._requests: dict[str, Request] = {}
+        self._aborted: list[RequestOutput] = []
+        self._generate_ids = itertools.count()
+
+    # -- requests -------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request; ValueError (naming the problem) if it can never run."""
+        params.validate()
+        if request_id in self._requests:
+            raise ValueError(f"request id '{request_id}' is already in use")
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        total = len(prompt) + params.max_tokens
+        if total > self.max_seq_length:
+            raise ValueError(f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                             f"the maximum sequence length ({self.max_seq_length})")
+        usable = self.cache.num_blocks - 1
+        if self.scheduler.blocks_needed(total) > usable:
+            raise ValueError(f"the prompt plus max_tokens ({total} tokens) needs more than the KV cache's "
+                             f"{usable} blocks of {self.cache.block_size}")
+        seed = params.seed if params.seed is not None else \
+            int(torch.randint(0, 2**62, (1,), generator=self._generator))
+        request = Request(request_id, prompt, params, seed)
+        self._requests[request_id] = request
+        self.scheduler.add(request)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request; its finished output (reason "abort") comes with the next step. Unknown ids: no-op."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return
+        request.finish_reason = "abort"
+        self.scheduler.finish(request)
+        self._aborted.append(self._output(request, [], None, None, "abort"))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests or self._aborted)
+
+    # -- stepping -------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step: the outputs of every request that got a token, finished or was aborted."""
+        outputs, self._aborted = self._aborted, []
+        rows = self.scheduler.schedule()
+        if not rows:
+            return outputs
+        logits = self.runner.run(rows)
+        self.scheduler.computed(rows)
+        requests = [row.request for row in rows if row.samples]
+        if not requests:   # only prompt chunks
+            return outputs
+        samples = self.sampler(logits, requests)
+        for request, token, logprob, top in zip(requests, samples.token_ids, samples.logprobs, samples.top_logprobs):
+            request.output_token_ids.append(token)
+            if logprob is not None:
+                request.logprobs.append(logprob)
+                request.top_logprobs.append(top)
+            reason = self._finish_reason(request, token)
+            if reason is not None:
+                request.finish_reason = reason
+                self.scheduler.finish(request)
+                del self._requests[request.request_id]
+            outputs.append(self._output(request, [token], None if logprob is None else [logprob],
+                                        None if logprob is None else [top], reason))
+        return outputs
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
+        """Run `prompts` to completion (with any requests already queued, whose outputs are dropped)
+        and return them in order."""
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        batch = next(self._generate_ids)
+        ids = [f"generate-{batch}-{i}" for i in range(len(prompts))]
+        for request_id, prompt, p in zip(ids, prompts, params):
+            self.add_request(request_id, prompt, p)
+        requests = [self._requests[i] for i in ids]
+        while any(r.finish_reason is None for r in requests):
+            self.step()
+        return [Completion(r.prompt_token_ids, r.output_token_ids,
+                           r.logprobs if r.params.logprobs is not None else None,
+                           r.top_logprobs if r.params.logprobs is not None else None, r.finish_reason)
+                for r in requests]
+
+    def _finish_reason(self, request: Request, token: int) -> str | None:
+        params = request.params
+        stops = params.stop_token_ids if params.ignore_eos else (*self.eos_token_ids, *params.stop_token_ids)
+        if token in stops and len(request.output_token_ids) >= params.min_tokens:
+            return "stop"
+        if len(request.output_token_ids) >= params.max_tokens:
+            return "length"
+        return None
+
+    @staticmethod
+    def _output(request: Request, tokens: list[int], logprobs, top, reason: str | None) -> RequestOutput:
+        return RequestOutput(request.request_id, tokens, logprobs, top, reason is not None, reason,
+                             len(request.prompt_token_ids), len(request.output_token_ids))

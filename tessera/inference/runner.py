@@ -1,0 +1,128 @@
+"""One forward pass of a scheduled batch: its tokens through the model, the logits it samples from.
+
+The model is tessera's GPTModel, unchanged: its embedding, blocks and head run here on the
+step's tokens laid flat ([1, tokens]), with positions given explicitly and each layer's
+`LayerCache` (tessera.inference.paged_attention) in the slot of packed-document attention.
+Only the last token of a row that finishes its prompt (or decodes) goes through the head.
+
+Steps where every row decodes one token run through `DecodeGraphs` on CUDA (CUDA graphs
+of the compiled decode step); the others run eagerly.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Sequence
+
+import torch
+
+from tessera.inference.cuda_graphs import DecodeGraphs
+from tessera.inference.kv_cache import NULL_BLOCK, PagedKVCache
+from tessera.inference.paged_attention import ContinuedRow, StepAttention
+from tessera.inference.scheduler import ScheduledRow
+from tessera.models.gpt import GPTModel
+from tessera.models.moe import MoELayer, grouped_mm_available
+from tessera.parallel.experts import LocalDispatcher
+
+
+def forward_tokens(model: GPTModel, input_ids: torch.Tensor, positions: torch.Tensor, step: StepAttention,
+                   logit_index: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits [rows, padded vocab] at the tokens `logit_index` (default all) of [1, tokens] inputs."""
+    hidden = model.embed(input_ids, positions)
+    rope = model.rotary(input_ids.shape[1], positions) if model.rotary is not None else None
+    for index, block in model.layers.items():
+        hidden = block(hidden, rope, step.layer(index))
+    if logit_index is not None:
+        hidden = hidden[:, logit_index]
+    return model.head(hidden)[0]
+
+
+def decode_logits(model: GPTModel, cache: PagedKVCache, input_ids: torch.Tensor, positions: torch.Tensor,
+                  tables: torch.Tensor) -> torch.Tensor:
+    """One new token per row: ids and positions [rows], block tables [rows, blocks] -> logits [rows, padded vocab]."""
+    step = StepAttention.decode_only(cache.pools, cache.block_size, positions, tables)
+    return forward_tokens(model, input_ids[None], positions[None], step)
+
+
+def graphs_supported(model: GPTModel, dtype: torch.dtype) -> bool:
+    """Whether the decode step has no host sync: MoE layers need their grouped GEMMs (the loop
+    over experts reads the expert sizes on the host) and all experts on this rank."""
+    for layer in model.layers:
+        if isinstance(layer.mlp, MoELayer):
+            experts = layer.mlp.experts
+            if not (experts.grouped_gemm and grouped_mm_available("cuda", dtype)) \
+                    or type(layer.mlp.dispatcher) is not LocalDispatcher:
+                return False
+    return True
+
+
+class ModelRunner:
+    """Runs scheduled rows through the model and returns fp32 logits over the real vocabulary."""
+
+    def __init__(self, model: GPTModel, cache: PagedKVCache, vocab_size: int, *, max_rows: int, max_blocks: int,
+                 cuda_graphs: bool, compile: bool):
+        self.model, self.cache, self.vocab_size = model, cache, vocab_size
+        parameter = next(model.parameters())
+        self.device, self.dtype = parameter.device, parameter.dtype
+        self.graphs = None
+        if cuda_graphs and self.device.type == "cuda":
+            if graphs_supported(model, self.dtype):
+                self.graphs = DecodeGraphs(lambda ids, positions, tables: decode_logits(
+                    model, cache, ids, positions, tables), max_rows=max_rows, max_blocks=max_blocks,
+                    device=self.device, compile=compile)
+            else:
+                warnings.warn("decode runs without CUDA graphs: the MoE layers sync with the host "
+                              "(use --moe-grouped-gemm and no expert parallelism)", stacklevel=2)
+
+    @torch.no_grad()
+    def run(self, rows: Sequence[ScheduledRow]) -> torch.Tensor:
+        """Logits [rows that sample, vocab_size] (fp32), in the order of `rows`."""
+        if all(row.count == 1 for row in rows):
+            logits = self._decode(rows)
+        else:
+            logits = self._mixed(rows)
+        return logits[:, :self.vocab_size].float()
+
+    def _decode(self, rows: Sequence[ScheduledRow]) -> torch.Tensor:
+        ids = [row.request.token(row.start) for row in rows]
+        positions = [row.start for row in rows]
+        tables = [row.request.blocks for row in rows]
+        if self.graphs is not None:
+            return self.graphs(ids, positions, tables)
+        width = max(len(t) for t in tables)
+        padded = torch.tensor([t + [NULL_BLOCK] * (width - len(t)) for t in tables], device=self.device)
+        return decode_logits(self.model, self.cache, torch.tensor(ids, device=self.device),
+                             torch.tensor(positions, device=self.device), padded)
+
+    def _mixed(self, rows: Sequence[ScheduledRow]) -> torch.Tensor:
+        """Any rows: decode rows first, then fresh prompts, then continued ones (paged_attention's layout)."""
+        decode = [r for r in rows if r.count == 1]
+        fresh = [r for r in rows if r.count > 1 and r.start == 0]
+        continued = [r for r in rows if r.count > 1 and r.start > 0]
+        ordered = decode + fresh + continued
+        ids, positions, slots, ends, total = [], [], [], [], 0
+        for row in ordered:
+            span = torch.arange(row.start, row.start + row.count)
+            blocks = torch.tensor(row.request.blocks)
+            ids.append(torch.tensor(row.request.tokens(row.start, row.start + row.count)))
+            positions.append(span)
+            slots.append(blocks[span // self.cache.block_size] * self.cache.block_size + span % self.cache.block_size)
+            total += row.count
+            ends.append(total - 1)
+        to_device = lambda parts: torch.cat(parts).to(self.device)  # noqa: E731
+        step = StepAttention(self.cache.pools, self.cache.block_size, to_device(slots))
+        if decode:
+            width = max(len(r.request.blocks) for r in decode)
+            step.decode_tables = torch.tensor([r.request.blocks + [NULL_BLOCK] * (width - len(r.request.blocks))
+                                               for r in decode], device=self.device)
+            step.decode_lengths = torch.tensor([r.start + 1 for r in decode], device=self.device)
+        step.fresh = StepAttention.fresh_documents([r.count for r in fresh], self.device, self.dtype)
+        step.continued = [ContinuedRow(r.count, r.start + r.count,
+                                       torch.tensor(r.request.blocks, device=self.device)) for r in continued]
+        sampling = [i for i, row in enumerate(ordered) if row.samples]
+        logit_index = torch.tensor([ends[i] for i in sampling], dtype=torch.int64, device=self.device)
+        logits = forward_tokens(self.model, to_device(ids)[None], to_device(positions)[None], step, logit_index)
+        # back to the order of `rows`
+        position_of = {id(ordered[i]): j for j, i in enumerate(sampling)}
+        order = [position_of[id(row)] for row in rows if row.samples]
+        return logits[torch.tensor(order, dtype=torch.int64, device=self.device)]

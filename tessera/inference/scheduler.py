@@ -1,0 +1,167 @@
+"""Continuous batching: which requests run in the next forward pass, and on how many tokens.
+
+Each step has a budget of `max_batched_tokens`. Running requests come first, in the order
+they were admitted: one token each while decoding, or the next chunk of a prompt that did
+not fit a step (chunked prefill). Waiting requests are then admitted in arrival order while
+the budget, the KV blocks and `max_requests` allow, a long prompt as its first chunk.
+
+A request's tokens are its prompt and what it generated; `computed` of them are in the
+cache. A step computes the next `count` tokens; when that reaches the last token, the
+step's logits at that token give the request its next token. So prefill, a chunk and a
+decode step are one thing of different sizes, and so is the recompute after preemption.
+
+Preemption by recompute (vLLM, Megatron's eviction): when a running request needs a
+block and none is free, the most recently admitted running request gives back all its
+blocks and goes to the head of the waiting queue; when it is admitted again its prompt
+and generated tokens are computed again (with prefix caching, its full blocks are usually
+still there). No step admits new requests while it preempts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from tessera.inference.kv_cache import BlockAllocator
+from tessera.inference.sampling import SamplingParams
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0            # tokens whose keys and values are in the cache
+    block_names: list[int] = field(default_factory=list)   # prefix-cache names of its leading full blocks
+    preemptions: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token(self, position: int) -> int:
+        prompt = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < prompt else self.output_token_ids[position - prompt]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+
+@dataclass(frozen=True)
+class ScheduledRow:
+    """`count` tokens of `request` from position `start`; `samples`: this reaches its last token."""
+
+    request: Request
+    start: int
+    count: int
+
+    @property
+    def samples(self) -> bool:
+        return self.start + self.count == self.request.num_tokens
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, *, max_requests: int, max_batched_tokens: int):
+        self.allocator = allocator
+        self.block_size = allocator.block_size
+        self.max_requests, self.max_batched_tokens = max_requests, max_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.preemptions = 0            # so far, all requests
+        self.cached_tokens = 0          # tokens found in the prefix cache instead of computed
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def schedule(self) -> list[ScheduledRow]:
+        budget = self.max_batched_tokens
+        rows: list[ScheduledRow] = []
+        preempted: set[int] = set()   # ids of the requests preempted this step
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if id(request) in preempted:   # for an earlier one
+                continue
+            count = min(request.num_tokens - request.computed, budget)
+            while not self._reserve(request, request.computed + count):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.add(id(victim))
+                if victim is request:
+                    break
+            else:
+                rows.append(ScheduledRow(request, request.computed, count))
+                budget -= count
+        while self.waiting and budget and not preempted and len(self.running) < self.max_requests:
+            request = self.waiting[0]   # nothing computed: preempted and refused requests gave all back
+            self._reuse_cached_prefix(request)
+            count = min(request.num_tokens - request.computed, budget)
+            if not self._reserve(request, request.computed + count):
+                self._release(request)   # gives back the cached prefix too, until it fits
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            self.cached_tokens += request.computed
+            rows.append(ScheduledRow(request, request.computed, count))
+            budget -= count
+        return rows
+
+    def computed(self, rows: list[ScheduledRow]) -> None:
+        """After a step: its tokens are in the cache; name the blocks that became full."""
+        for row in rows:
+            request = row.request
+            request.computed = row.start + row.count
+            full, named = request.computed // self.block_size, len(request.block_names)
+            if self.allocator.prefix_caching and full > named:
+                names = self.allocator.block_names(request.tokens(0, full * self.block_size), full, named,
+                                                   request.block_names[-1] if named else None)
+                for block, name in zip(request.blocks[named:], names):
+                    self.allocator.remember(block, name)
+                request.block_names += names
+
+    def finish(self, request: Request) -> None:
+        """Drop a request (finished or aborted) wherever it is, and free its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._release(request)
+
+    def blocks_needed(self, tokens: int) -> int:
+        return math.ceil(tokens / self.block_size)
+
+    def _reserve(self, request: Request, tokens: int) -> bool:
+        missing = -(-tokens // self.block_size) - len(request.blocks)
+        if missing <= 0:
+            return True
+        if missing > self.allocator.num_free:
+            return False
+        request.blocks += self.allocator.allocate(missing)
+        return True
+
+    def _reuse_cached_prefix(self, request: Request) -> None:
+        # At least the last token is computed: its logits give the next token.
+        limit = (request.num_tokens - 1) // self.block_size
+        if self.allocator.prefix_caching and limit:
+            request.blocks, request.block_names = self.allocator.cached_prefix(
+                request.tokens(0, limit * self.block_size), limit)
+            request.computed = len(request.blocks) * self.block_size
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._release(request)
+        request.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _release(self, request: Request) -> None:
+        self.allocator.free(request.blocks)
+        request.blocks, request.block_names = [], []
+        request.computed = 0

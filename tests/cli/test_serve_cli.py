@@ -1,0 +1,55 @@
+"""`tessera serve`: its flags reach the app, and the app it builds answers over HTTP.
+
+uvicorn.run (which blocks and takes the main thread's signals) is replaced by a server
+thread on a free port; everything else is the command's own path.
+"""
+
+import openai
+import pytest
+
+from tessera.cli import run
+from tests.inference.tiny_text_model import hf_dir, running_server, tokenizer  # noqa: F401 -- fixtures
+
+
+def test_serve_answers_chat_under_its_name_with_its_bounds(hf_dir, tokenizer, monkeypatch):
+    import uvicorn
+
+    answers = {}
+
+    def serve_in_a_thread(app, host, port, log_level):
+        answers["listen"] = (host, port, log_level)
+        with running_server(app) as base:
+            client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+            answers["models"] = client.models.list().data
+            answers["chat"] = client.chat.completions.create(
+                model="my-model", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0)
+            with pytest.raises(openai.BadRequestError, match="maximum context length is 64"):
+                client.completions.create(model="my-model", prompt="x", max_tokens=100)
+
+    monkeypatch.setattr(uvicorn, "run", serve_in_a_thread)
+    assert run(["serve", "--hf", str(hf_dir), "--host", "0.0.0.0", "--port", "8123", "--served-model-name",
+                "my-model", "--inference-max-seq-length", "64", "--inference-max-requests", "2"]) == 0
+    assert answers["listen"] == ("0.0.0.0", 8123, "info")
+    assert [m.id for m in answers["models"]] == ["my-model"]
+    chat = answers["chat"]
+    assert chat.model == "my-model" and chat.choices[0].message.role == "assistant"
+    assert chat.usage.prompt_tokens == len(tokenizer.encode_chat([{"role": "user", "content": "hi"}]))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--port", "70000"], "--port must be in [0, 65535]"),
+    (["--inference-max-requests", "0"], "--inference-max-requests must be >= 1"),
+    (["--chat-template", "/nonexistent.jinja"], "--chat-template /nonexistent.jinja"),
+])
+def test_bad_flags_stop_with_one_line_naming_them(hf_dir, flags, message, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        run(["serve", "--hf", str(hf_dir), *flags])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_a_missing_model_directory_is_named(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        run(["serve", "--hf", str(tmp_path / "absent")])
+    assert f"--hf {tmp_path / 'absent'}: no such directory" in capsys.readouterr().err

@@ -1,0 +1,188 @@
+"""The engine against full recomputation: the logits it samples from at every step equal the
+model's logits over the whole sequence so far (no cache), through prefill, chunked prefill,
+decode, paged blocks, mixed batches, preemption and resume, and prefix caching; and its API.
+
+Tolerance, fp32 on CPU: the cached path adds the same products in another order (attention
+over gathered blocks with masks, one prompt at a time), a few ulps of the logits: rtol 1e-5
+with atol 1e-5 for logits near 0.
+"""
+
+import pytest
+import torch
+
+from tessera.config import ModelConfig
+from tessera.inference.engine import Engine
+from tessera.inference.generate import generate
+from tessera.inference.sampling import SamplingParams
+from tessera.models.gpt import GPTModel, initialize_parameters
+from tessera.models.presets import preset_values
+
+PROMPT_LENGTHS = (5, 30, 1, 17, 9)
+MAX_TOKENS = (14, 8, 18, 6, 11)   # requests finish at different steps
+
+
+def tiny_model(preset: str = "tiny-llama") -> GPTModel:
+    values = {key: value for key, value in preset_values(preset).items() if key != "mtp_num_layers"}
+    values.update(hidden_dropout=0.0, attention_dropout=0.0, seq_length=64, max_position_embeddings=64,
+                  init_method_std=0.2)   # wide weights: logits far apart, so greedy choices are clear
+    model = GPTModel(ModelConfig(**values))
+    initialize_parameters(model, seed=1)
+    return model.eval()
+
+
+def prompts(lengths=PROMPT_LENGTHS, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=generator).tolist() for n in lengths]
+
+
+class Recorder:
+    """Wraps an engine's sampler: keeps (request id, tokens so far, logits) of every row it samples."""
+
+    def __init__(self, engine: Engine):
+        self.sampler, self.rows = engine.sampler, []
+        engine.sampler = self
+
+    def __call__(self, logits, requests):
+        for row, request in zip(logits, requests):
+            self.rows.append((request.request_id, request.num_tokens, row.clone()))
+        return self.sampler(logits, requests)
+
+
+def check_against_full_recompute(model, engine, prompt_list, params_list):
+    recorder = Recorder(engine)
+    completions = engine.generate(prompt_list, params_list)
+    sequences = {f"generate-0-{i}": p + c.token_ids for i, (p, c) in enumerate(zip(prompt_list, completions))}
+    with torch.no_grad():
+        full = {rid: model(torch.tensor([seq[:-1]]))[0, :, :engine.vocab_size] for rid, seq in sequences.items()}
+    steps = {rid: 0 for rid in sequences}
+    for rid, length, logits in recorder.rows:
+        torch.testing.assert_close(logits, full[rid][length - 1], rtol=1e-5, atol=1e-5)
+        steps[rid] += 1
+    for (rid, seq), prompt, completion in zip(sequences.items(), prompt_list, completions):
+        assert steps[rid] == len(completion.token_ids) == len(seq) - len(prompt)   # every token was checked
+    return completions
+
+
+GREEDY = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
+SAMPLED = [SamplingParams(max_tokens=n, temperature=1.0, top_p=0.9, seed=i, ignore_eos=True)
+           for i, n in enumerate(MAX_TOKENS)]
+
+
+@pytest.mark.parametrize("options", [
+    dict(block_size=4),                                          # prefill in one step, then decode
+    dict(block_size=4, max_batched_tokens=8),                    # chunked prefill beside decode rows
+    dict(block_size=16, max_batched_tokens=16, max_requests=2),  # a queue: at most two at a time
+], ids=["paged", "chunked", "queued"])
+def test_cached_logits_equal_full_recompute(options):
+    model = tiny_model()
+    engine = Engine(model, prefix_caching=False, **options)
+    check_against_full_recompute(model, engine, prompts(), GREEDY)
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt", "tiny-moe", "tiny-deepseek"])
+def test_preemption_and_resume_recompute_the_same_logits(preset):
+    """11 usable blocks of 4 tokens for 5 requests of up to 48: requests are preempted and recomputed.
+    GPT: learned positions, LayerNorm, MHA; MoE: routed experts; DeepSeek: MLA (cached per head)."""
+    model = tiny_model(preset)
+    engine = Engine(model, block_size=4, num_blocks=12, max_batched_tokens=12, prefix_caching=False)
+    check_against_full_recompute(model, engine, prompts(), SAMPLED)
+    assert engine.scheduler.preemptions > 0
+
+
+def test_prefix_caching_reuses_blocks_and_changes_nothing():
+    model = tiny_model()
+    shared = prompts([13])[0]
+    tails = prompts([3, 1, 7, 4, 9], seed=1)
+    with_prefix = [shared + tail for tail in tails]
+    cached = Engine(model, block_size=4, num_blocks=20, max_batched_tokens=12, prefix_caching=True)
+    check_against_full_recompute(model, cached, with_prefix, SAMPLED)
+    assert cached.scheduler.cached_tokens >= 4 * 12   # the later requests found the shared 3 blocks
+    plain = Engine(model, block_size=4, num_blocks=20, max_batched_tokens=12, prefix_caching=False)
+    assert [c.token_ids for c in plain.generate(with_prefix, SAMPLED)] == \
+        [c.token_ids for c in cached.generate(with_prefix, SAMPLED)]
+
+
+def test_outputs_stream_one_token_per_step_and_finish_for_their_reasons():
+    model = tiny_model()
+    prompt = prompts([6])[0]
+    reference = Engine(model).generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0].token_ids
+    eos = reference[4]
+    first = reference.index(eos)
+    engine = Engine(model, eos_token_ids=[eos])
+    engine.add_request("eos", prompt, SamplingParams(max_tokens=12, temperature=0))
+    engine.add_request("ignore", prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    engine.add_request("stop", prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                      stop_token_ids=(reference[2],)))
+    engine.add_request("min", prompt, SamplingParams(max_tokens=12, temperature=0, min_tokens=first + 2))
+    streams = {rid: [] for rid in ("eos", "ignore", "stop", "min")}
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            assert len(output.token_ids) == 1 and output.prompt_tokens == 6
+            streams[output.request_id] += output.token_ids
+            assert output.completion_tokens == len(streams[output.request_id])
+            if output.finished:
+                finished[output.request_id] = output.finish_reason
+    assert streams["eos"] == reference[:first + 1] and finished["eos"] == "stop"   # EOS included
+    assert streams["ignore"] == reference and finished["ignore"] == "length"
+    assert streams["stop"] == reference[:reference.index(reference[2]) + 1] and finished["stop"] == "stop"
+    assert len(streams["min"]) >= first + 2 and eos not in streams["min"][:first + 1]
+
+
+def test_aborted_requests_finish_at_the_next_step_and_free_their_blocks():
+    engine = Engine(tiny_model(), block_size=4, num_blocks=40)
+    free = engine.cache.allocator.num_free
+    engine.add_request("a", prompts([10])[0], SamplingParams(max_tokens=20))
+    engine.add_request("b", prompts([10])[0], SamplingParams(max_tokens=20))
+    engine.step()
+    engine.abort_request("a")
+    engine.abort_request("unknown")   # no-op
+    outputs = engine.step()
+    aborted = [o for o in outputs if o.request_id == "a"]
+    assert len(aborted) == 1 and aborted[0].finished and aborted[0].finish_reason == "abort"
+    assert aborted[0].token_ids == [] and aborted[0].completion_tokens == 1
+    assert all(o.request_id == "b" for o in engine.step())
+    engine.abort_request("b")
+    engine.step()
+    assert not engine.has_unfinished_requests() and engine.cache.allocator.num_free == free
+
+
+def test_more_requests_than_capacity_wait_and_come_back_in_order():
+    engine = Engine(tiny_model(), max_requests=2)
+    prompt_list = prompts((3, 8, 2, 5, 7, 4, 6))
+    completions = engine.generate(prompt_list, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    alone = [Engine(tiny_model()).generate([p], SamplingParams(max_tokens=5, temperature=0))[0] for p in prompt_list]
+    assert [c.prompt_token_ids for c in completions] == prompt_list
+    assert [c.token_ids for c in completions] == [c.token_ids for c in alone]
+
+
+@pytest.mark.parametrize("prompt, params, match", [
+    ([], SamplingParams(), "prompt is empty"),
+    ([1, 256], SamplingParams(), "token id 256 is outside the vocabulary"),
+    ([1] * 60, SamplingParams(max_tokens=5), "exceeds the maximum sequence length"),
+    ([1], SamplingParams(top_p=0.0), "top_p must be"),
+])
+def test_bad_requests_are_refused_with_a_reason(prompt, params, match):
+    engine = Engine(tiny_model())
+    with pytest.raises(ValueError, match=match):
+        engine.add_request("x", prompt, params)
+    assert not engine.has_unfinished_requests()
+
+
+def test_duplicate_ids_and_requests_larger_than_the_cache_are_refused():
+    engine = Engine(tiny_model(), block_size=4, num_blocks=5)
+    engine.add_request("x", [1, 2], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="'x' is already in use"):
+        engine.add_request("x", [1, 2], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="needs more than the KV cache's 4 blocks"):
+        engine.add_request("y", [1] * 10, SamplingParams(max_tokens=8))
+
+
+def test_generate_wrapper_continues_a_batch_greedily():
+    model = tiny_model().train()
+    prompt = torch.tensor(prompts((6, 6)))
+    out = generate(model, prompt, max_new_tokens=7, temperature=0)
+    assert out.shape == (2, 13) and torch.equal(out[:, :6], prompt) and model.training
+    with torch.no_grad():
+        expected = model.eval()(out[:, :-1])[:, 5:].argmax(dim=-1)
+    assert torch.equal(out[:, 6:], expected)
