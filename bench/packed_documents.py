@@ -17,7 +17,7 @@ Rows per sequence length, each at ~16k tokens per step (micro-batch 16k / seq):
 MFU counts what each row computes: with documents, attention FLOPs over the sum of squared
 document lengths (Megatron's THD count), so a documents row and a causal row at the same
 tokens/s differ in MFU by the attention they skip. --longest doubles the sequence length of
-llama3-8b-shaped layers (--longest-layers of them) from 16k, with and without full
+llama3-8b-shaped layers (--longest-layers of them) from --longest-start, with and without full
 recompute, until a step runs out of memory, and reports the longest that ran.
 """
 
@@ -98,8 +98,9 @@ def throughput(args, data: Path) -> list[dict]:
     packed = ["--data-path", str(data), "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
               "--split", "100,0,0"]
     for seq in args.seq_lengths:
-        base = COMMON + CONFIGS["B"] + packed + ["--seq-length", str(seq), "--max-position-embeddings", str(seq),
-                                                "--micro-batch-size", str(max(TOKENS_PER_STEP // seq, 1))]
+        base = [f for f in COMMON if f != "--mock-data"] + CONFIGS["B"] + packed + [
+            "--seq-length", str(seq), "--max-position-embeddings", str(seq),
+            "--micro-batch-size", str(max(TOKENS_PER_STEP // seq, 1))]
         documents = base + ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
         settings = [("documents", documents, None), ("causal", base, None)]
         if seq <= args.dense_max:
@@ -115,15 +116,15 @@ def throughput(args, data: Path) -> list[dict]:
 
 def longest(args) -> list[dict]:
     rows = []
-    for recompute in ([], ["--recompute-granularity", "full", "--recompute-method", "uniform",
-                           "--recompute-num-layers", "1"]):
-        best, seq = None, 16384
+    full = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    for recompute in [{"none": [], "full": full}[mode] for mode in args.longest_modes]:
+        best, seq = None, args.longest_start
         while seq <= args.longest_max:
             flags = COMMON + ["--model", "llama3-8b", "--num-layers", str(args.longest_layers),
                               "--seq-length", str(seq), "--max-position-embeddings", str(seq),
                               "--micro-batch-size", "1"] + recompute
             try:
-                result = run(flags, steps=2, warmup=1)
+                result = run(flags, steps=1, warmup=1)
             except torch.cuda.OutOfMemoryError:
                 break
             best = {"seq_length": seq, **result}
@@ -144,7 +145,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--longest", action="store_true", help="search the longest llama3-8b-shaped sequence")
     parser.add_argument("--longest-layers", type=int, default=4)
+    parser.add_argument("--longest-start", type=int, default=16384)
     parser.add_argument("--longest-max", type=int, default=262144)
+    parser.add_argument("--longest-modes", nargs="+", choices=("none", "full"), default=["none", "full"],
+                        help="recompute settings searched")
     parser.add_argument("--out")
     args = parser.parse_args()
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}

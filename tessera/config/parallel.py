@@ -92,6 +92,10 @@ class ParallelConfig:
                 f"--tensor-model-parallel-size ({tp}) under --sequence-parallel")
         require(model.attention_dropout == 0,
                 "--attention-dropout > 0 with --context-parallel-size > 1 is not supported (set it to 0)")
+        # Each CP rank holds other tokens, but the residual dropout streams are per TP rank only:
+        # every CP rank would draw the same mask for its own tokens.
+        require(model.hidden_dropout == 0,
+                "--hidden-dropout > 0 with --context-parallel-size > 1 is not supported (set it to 0)")
         heads = model.num_attention_heads // tp
         groups = heads if model.multi_latent_attention else max(model.num_query_groups // tp, 1)
         for kind, ranks, flag_name in (("a2a", cp, "--context-parallel-size"),

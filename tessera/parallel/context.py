@@ -319,10 +319,12 @@ def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, kernel: 
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale)
     elif kernel == "cuda":
-        none = torch.empty(0, device=q.device)   # no dropout, no variable lengths: unused
+        # No variable lengths (None: the kernel checks defined cumulative lengths for int32) and
+        # no dropout (the RNG state goes unread).
+        unused = torch.empty(0, device=q.device)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, *_expand_groups(q, k, v), out, lse, none, none, q.shape[2], k.shape[2], 0.0, causal,
-            none, none, scale=scale)
+            dout, q, *_expand_groups(q, k, v), out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal,
+            unused, unused, scale=scale)
         dk, dv = (_sum_groups(t, groups) for t in (dk, dv))
     else:
         k_all, v_all = _expand_groups(q, k, v)

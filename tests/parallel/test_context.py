@@ -112,6 +112,8 @@ BASE = ["--model", "tiny-llama", "--lr", "1e-3", "--train-iters", "10", "--seq-l
     (["--context-parallel-size", "2", "--cp-comm-type", "p2p", "a2a", "p2p"], 2,
      "--cp-comm-type: give one value or one per layer (--num-layers 2), got 3"),
     (["--context-parallel-size", "2", "--attention-dropout", "0.1"], 2, "--attention-dropout > 0 with"),
+    (["--context-parallel-size", "2", "--attention-dropout", "0", "--hidden-dropout", "0.1"], 2,
+     "--hidden-dropout > 0 with"),
     (["--context-parallel-size", "2", "--tensor-model-parallel-size", "4", "--sequence-parallel",
       "--seq-length", "36"], 8, "--seq-length (36) / --context-parallel-size (2) must be divisible by "
                                  "--tensor-model-parallel-size (4) under --sequence-parallel"),
