@@ -14,7 +14,7 @@ COMMANDS = {
     "preprocess": ("tessera.cli.preprocess", "tokenize JSONL into Megatron .bin/.idx datasets"),
     "train-tokenizer": ("tessera.cli.train_tokenizer", "train a BPE tokenizer.json on JSONL text, offline"),
     "merge-datasets": ("tessera.cli.merge_datasets", "concatenate .bin/.idx datasets into one"),
-    "convert": ("tessera.cli.convert", "Hugging Face <-> tessera checkpoints (Llama, Mistral, Qwen2, GPT-2)"),
+    "convert": ("tessera.cli.convert", "Hugging Face <-> tessera checkpoints (Llama, Qwen, Mistral, GPT-2, Mixtral, DeepSeek)"),
     "generate": ("tessera.cli.generate", "sample text from a checkpoint or HF directory (a prompt or a JSONL file)"),
     "serve": ("tessera.cli.serve", "OpenAI-compatible HTTP server (completions, chat, streaming) and Megatron's /api"),
 }

@@ -54,7 +54,7 @@ def load_model(*, load: str | None = None, hf: str | None = None, dtype: torch.d
         config, state, extra = load_model_checkpoint(load, extra_files=("hf_config.json",))
         hf_config = json.loads(extra["hf_config.json"]) if "hf_config.json" in extra else None
         saved = yaml.safe_load((complete_checkpoints(load)[0] / CONFIG).read_text())
-        eos = _token_ids(hf_config.get("eos_token_id")) if hf_config else ()
+        eos = _hf_eos_token_ids(Path(load), hf_config) if hf_config else ()   # convert copied generation_config.json
         info = LoadedInfo(config, hf_config, Path(load), eos, saved)
     with torch.device(device):
         model = GPTModel(config, tp_group=tp_group)

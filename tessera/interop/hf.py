@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from tessera.config import ModelConfig
+from tessera.files import atomic_write
 from tessera.interop import hf_deepseek
 from tessera.interop.hf_config import UnsupportedModel, hf_config_from_model, infer_family, model_config_from_hf
 
@@ -343,6 +344,26 @@ def hf_to_tessera(hf_dir: str | os.PathLike, checkpoint_dir: str | os.PathLike, 
     config = _with_mtp_layers(model_config_from_hf(hf_config, vocab_multiple=vocab_multiple), hf_config, tensors)
     save_model_checkpoint(checkpoint_dir, config, tessera_state_from_hf(hf_config, tensors, config),
                           extra_files={"hf_config.json": json.dumps(hf_config, indent=2, sort_keys=True)})
+    copy_tokenizer_files(hf_dir, checkpoint_dir)
+
+
+# What a model directory carries beside its weights for generation and chat: `tessera generate
+# --load` and `tessera serve --load` find the tokenizer, chat template and EOS ids here.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
+
+
+def copy_tokenizer_files(source: str | os.PathLike, destination: str | os.PathLike) -> list[str]:
+    """Copy the tokenizer files `source` has into `destination` (each written under a temporary
+    name, then renamed); the names copied."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        path = Path(source) / name
+        if path.is_file():
+            atomic_write(Path(destination) / name, lambda file, path=path: file.write(path.read_bytes()))
+            copied.append(name)
+    return copied
 
 
 def tessera_to_hf(checkpoint_dir: str | os.PathLike, hf_dir: str | os.PathLike, *, family: str | None = None,
@@ -362,3 +383,4 @@ def tessera_to_hf(checkpoint_dir: str | os.PathLike, hf_dir: str | os.PathLike, 
         raise ValueError(f"dtype '{dtype}' is not one of {', '.join(_DTYPES)}")
     tensors = hf_state_from_tessera(state, config, family, _DTYPES[dtype])
     write_hf_dir(hf_dir, hf_config_from_model(config, family, base, dtype), tensors, max_shard_bytes)
+    copy_tokenizer_files(checkpoint_dir, hf_dir)

@@ -10,6 +10,7 @@ import torch
 import transformers
 
 from tessera.cli import run
+from tessera.inference.text import HF_TOKENIZER_FILES
 from tests.inference.tiny_text_model import hf_dir, tokenizer  # noqa: F401 -- fixtures
 
 
@@ -61,13 +62,20 @@ def test_a_jsonl_file_of_prompts_and_chats_with_log_probs_and_a_progress_bar(hf_
 def test_a_converted_checkpoint_generates_what_its_hf_directory_does(hf_dir, tmp_path, capsys):
     assert run(["convert", "hf-to-tessera", "--input", str(hf_dir), "--output", str(tmp_path / "ckpt")]) == 0
     outputs = []
-    for source in (["--hf", str(hf_dir)], ["--load", str(tmp_path / "ckpt"), "--tokenizer-model", str(hf_dir)]):
+    # the conversion copies the tokenizer files: --load needs no --tokenizer-model
+    for source in (["--hf", str(hf_dir)], ["--load", str(tmp_path / "ckpt")],
+                   ["--load", str(tmp_path / "ckpt"), "--tokenizer-model", str(hf_dir)]):
         out = tmp_path / f"{len(outputs)}.jsonl"
         assert run(["generate", *source, "--prompt", "tessera", "--max-new-tokens", "8", "--temperature", "0",
                     "--output-format", "jsonl", "--output", str(out)]) == 0
         outputs.append(json.loads(out.read_text())["token_ids"])
-    assert outputs[0] == outputs[1]
-    # the conversion copies no tokenizer files: without the flag, the error says which to give
+    assert outputs[0] == outputs[1] == outputs[2]
+
+
+def test_a_checkpoint_without_tokenizer_files_names_the_flags_to_give(hf_dir, tmp_path, capsys):
+    assert run(["convert", "hf-to-tessera", "--input", str(hf_dir), "--output", str(tmp_path / "ckpt")]) == 0
+    for name in HF_TOKENIZER_FILES:
+        (tmp_path / "ckpt" / name).unlink(missing_ok=True)
     with pytest.raises(SystemExit):
         run(["generate", "--load", str(tmp_path / "ckpt"), "--prompt", "tessera"])
     assert "pass --tokenizer-type and --tokenizer-model" in capsys.readouterr().err

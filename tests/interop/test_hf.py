@@ -64,8 +64,14 @@ def test_logits_match_transformers(family, tmp_path):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_round_trip_through_a_tessera_checkpoint_is_exact(family, tmp_path):
     _hf_model(family, tmp_path / "hf")
+    tokenizer_files = {"tokenizer.json": b'{"version": "1.0"}', "tokenizer.model": bytes(range(256))}
+    for name, content in tokenizer_files.items():
+        (tmp_path / "hf" / name).write_bytes(content)
     assert run(["convert", "hf-to-tessera", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "ckpt")]) == 0
     assert run(["convert", "tessera-to-hf", "--input", str(tmp_path / "ckpt"), "--output", str(tmp_path / "out")]) == 0
+    # the tokenizer (and generation config) travel with the weights, both ways, byte for byte
+    for name in [*tokenizer_files, "generation_config.json"]:
+        assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes(), name
     original_config, original = read_hf_dir(tmp_path / "hf")
     config, tensors = read_hf_dir(tmp_path / "out")
     assert tensors.keys() == original.keys()
