@@ -10,7 +10,7 @@ and metrics (DESIGN.md). One iteration:
 Each rank divides its loss by the number of unmasked tokens in the whole global batch, so
 summing gradients over ranks gives the mean over tokens exactly once, and neither the
 micro-batch split nor the number of data-parallel ranks changes the maths. Under context
-parallelism each rank holds its chunks of every sample (cut in `_to_device`) and counts
+parallelism each rank holds its chunks of every sample (cut in tessera.training.batches.place_batch) and counts
 their tokens: the same sum, over the data x context group.
 """
 
@@ -20,25 +20,23 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
 from tessera.config import RunConfig
-from tessera.data.mock import MockGPTDataset
-from tessera.models.documents import Documents, default_backend
+from tessera.models.documents import default_backend
 from tessera.models.gpt import GPTModel, Recompute, initialize_parameters
 from tessera.parallel.context import ContextParallel
-from tessera.parallel.context_split import SplitDocuments, ZigzagSplit
 from tessera.parallel.experts import ExpertGroups
 from tessera.parallel.fsdp import apply_fsdp2
-from tessera.parallel.launch import build_in_turns, init_distributed
+from tessera.parallel.launch import init_distributed
 from tessera.parallel.mesh import Mesh
 from tessera.parallel.pipeline import PipelineGroups, PipelineRunner
 from tessera.parallel.pipeline_schedules import build_schedule, stage_layer_ranges
 from tessera.perf.flops import count_parameters, flops_per_iteration
 from tessera.training import fp8
+from tessera.training.batches import Batch, DataSource, place_batch
 from tessera.training.checkpoint import Checkpointer
 from tessera.training.losses import LossTerms, MoEBalance
 from tessera.training.nan_check import NonFiniteCheck
@@ -47,9 +45,6 @@ from tessera.training.optimizer import build_optimizer
 from tessera.training.precision import LossScaler, autocast, autocast_dtype
 from tessera.training.schedules import LRSchedule
 from tessera.training.stragglers import StragglerTimer
-
-Batch = dict[str, torch.Tensor | Documents]   # tensors; with packed samples, "documents" too
-
 
 @dataclass
 class StepResult:
@@ -83,7 +78,7 @@ class Trainer:
         train, parallel = config.train, config.parallel
         self.device = init_distributed(resolve_device(train.device), config)
         self.mesh = Mesh.build(parallel, self.device.type)
-        self.data = _DataSource(config, self.mesh)
+        self.data = DataSource(config, self.mesh)
         torch.manual_seed(train.seed)
         recompute = Recompute(train.recompute_granularity, train.recompute_method, train.recompute_num_layers)
         stage = self._pipeline_stage()
@@ -387,69 +382,11 @@ class Trainer:
                                    squared_document_lengths=squares.item() / iterations)
 
     def _to_device(self, batch: Batch) -> Batch:
-        moved = {k: v.to(self.device, non_blocking=True) for k, v in batch.items() if k != "cu_seqlens"}
-        cp = self.context_parallel
-        whole = None   # packed documents: boundaries checked and read on the host, once
-        if "cu_seqlens" in batch and (cp is None or "a2a" in cp.comm_types):   # a2a attends over whole samples
-            whole = Documents.from_cu_seqlens(batch["cu_seqlens"], *batch["tokens"].shape,
-                                              backend=self.document_backend, device=self.device)
-        if cp is None:
-            return moved if whole is None else {**moved, "documents": whole}
-        # Context parallelism: this rank's chunks of every tensor along the sequence, cut once, here.
-        batch_size, seq_length = batch["tokens"].shape
-        split = ZigzagSplit.uniform(cp.size, seq_length) if "cu_seqlens" not in batch else \
-            ZigzagSplit.of_cu_seqlens(batch["cu_seqlens"].tolist(), seq_length, cp.size)
-        moved.setdefault("position_ids", torch.arange(seq_length, device=self.device).expand(batch_size, -1))
-        moved = {name: split.split(tensor, cp.rank) for name, tensor in moved.items()}
-        if "cu_seqlens" in batch:
-            moved["documents"] = SplitDocuments(split, whole)
-        return moved
+        return place_batch(batch, self.device, self.document_backend, self.context_parallel)
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-
-class _DataSource:
-    """Datasets of the run (mock or .bin/.idx) and this data-parallel rank's micro-batches."""
-
-    def __init__(self, config: RunConfig, mesh: Mesh):
-        self.config, self.mesh = config, mesh
-        train, data = config.train, config.data
-        samples = {
-            "train": train.train_iters * train.global_batch_size,
-            "valid": (train.train_iters // train.eval_interval + 1) * train.eval_iters * train.global_batch_size
-            if train.eval_interval else 0,
-        }
-        if data.mock_data:
-            if config.model.vocab_size is None:
-                raise SystemExit("tessera train: error: --mock-data needs --vocab-size (or a --model preset)")
-            self.datasets = {split: MockGPTDataset(count, config.model.seq_length, config.model.vocab_size,
-                                                   train.seed + (split == "valid"))
-                             for split, count in samples.items()}
-            return
-        from tessera.data.loader import build_train_valid_test_datasets
-        from tessera.data.tokenizers import build_tokenizer
-
-        tokenizer = build_tokenizer(data, config.model.vocab_size)
-        if config.model.vocab_size is None:
-            config.model.vocab_size = tokenizer.vocab_size
-        train_set, valid_set, _ = build_in_turns(lambda: build_train_valid_test_datasets(  # index cache: built once
-            data, seq_length=config.model.seq_length, seed=train.seed, train_samples=samples["train"],
-            valid_samples=samples["valid"], test_samples=0, tokenizer_eod=tokenizer.eod))
-        self.datasets = {"train": train_set, "valid": valid_set}
-
-    def micro_batches(self, split: str, consumed_samples: int) -> Iterator[Batch]:
-        from tessera.data.loader import build_data_loader
-
-        dataset = self.datasets[split]
-        if dataset is None:
-            raise SystemExit(f"tessera train: error: no {split} data (check --split / --{split}-data-path)")
-        loader = build_data_loader(
-            dataset, micro_batch_size=self.config.train.micro_batch_size, dp_rank=self.mesh.dp_rank,
-            dp_size=self.mesh.dp_size, consumed_samples=consumed_samples, num_workers=self.config.data.num_workers,
-            pin_memory=torch.cuda.is_available(), seed=self.config.train.seed)
-        return iter(loader)
 
 
 def _attention_backend(name: str, device: torch.device):

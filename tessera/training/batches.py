@@ -1,0 +1,84 @@
+"""What the trainer reads: the run's datasets, this data-parallel rank's micro-batches, and
+each micro-batch placed on the device as the model takes it (packed documents' boundaries
+read once; under context parallelism, this rank's chunks of every tensor cut once, here)."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from tessera.config import RunConfig
+from tessera.data.mock import MockGPTDataset
+from tessera.models.documents import Documents
+from tessera.parallel.context import ContextParallel
+from tessera.parallel.context_split import SplitDocuments, ZigzagSplit
+from tessera.parallel.launch import build_in_turns
+from tessera.parallel.mesh import Mesh
+
+Batch = dict[str, torch.Tensor | Documents]   # tensors; with packed samples, "documents" too
+
+
+def place_batch(batch: Batch, device: torch.device, document_backend: str,
+                context_parallel: ContextParallel | None) -> Batch:
+    """A loader's micro-batch on `device`, with its Documents (packed samples) and, under
+    context parallelism, only this rank's zigzag chunks."""
+    moved = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k != "cu_seqlens"}
+    cp = context_parallel
+    whole = None   # packed documents: boundaries checked and read on the host, once
+    if "cu_seqlens" in batch and (cp is None or "a2a" in cp.comm_types):   # a2a attends over whole samples
+        whole = Documents.from_cu_seqlens(batch["cu_seqlens"], *batch["tokens"].shape,
+                                          backend=document_backend, device=device)
+    if cp is None:
+        return moved if whole is None else {**moved, "documents": whole}
+    # Context parallelism: this rank's chunks of every tensor along the sequence, cut once, here.
+    batch_size, seq_length = batch["tokens"].shape
+    split = ZigzagSplit.uniform(cp.size, seq_length) if "cu_seqlens" not in batch else \
+        ZigzagSplit.of_cu_seqlens(batch["cu_seqlens"].tolist(), seq_length, cp.size)
+    moved.setdefault("position_ids", torch.arange(seq_length, device=device).expand(batch_size, -1))
+    moved = {name: split.split(tensor, cp.rank) for name, tensor in moved.items()}
+    if "cu_seqlens" in batch:
+        moved["documents"] = SplitDocuments(split, whole)
+    return moved
+
+
+class DataSource:
+    """Datasets of the run (mock or .bin/.idx) and this data-parallel rank's micro-batches."""
+
+    def __init__(self, config: RunConfig, mesh: Mesh):
+        self.config, self.mesh = config, mesh
+        train, data = config.train, config.data
+        samples = {
+            "train": train.train_iters * train.global_batch_size,
+            "valid": (train.train_iters // train.eval_interval + 1) * train.eval_iters * train.global_batch_size
+            if train.eval_interval else 0,
+        }
+        if data.mock_data:
+            if config.model.vocab_size is None:
+                raise SystemExit("tessera train: error: --mock-data needs --vocab-size (or a --model preset)")
+            self.datasets = {split: MockGPTDataset(count, config.model.seq_length, config.model.vocab_size,
+                                                   train.seed + (split == "valid"))
+                             for split, count in samples.items()}
+            return
+        from tessera.data.loader import build_train_valid_test_datasets
+        from tessera.data.tokenizers import build_tokenizer
+
+        tokenizer = build_tokenizer(data, config.model.vocab_size)
+        if config.model.vocab_size is None:
+            config.model.vocab_size = tokenizer.vocab_size
+        train_set, valid_set, _ = build_in_turns(lambda: build_train_valid_test_datasets(  # index cache: built once
+            data, seq_length=config.model.seq_length, seed=train.seed, train_samples=samples["train"],
+            valid_samples=samples["valid"], test_samples=0, tokenizer_eod=tokenizer.eod))
+        self.datasets = {"train": train_set, "valid": valid_set}
+
+    def micro_batches(self, split: str, consumed_samples: int) -> Iterator[Batch]:
+        from tessera.data.loader import build_data_loader
+
+        dataset = self.datasets[split]
+        if dataset is None:
+            raise SystemExit(f"tessera train: error: no {split} data (check --split / --{split}-data-path)")
+        loader = build_data_loader(
+            dataset, micro_batch_size=self.config.train.micro_batch_size, dp_rank=self.mesh.dp_rank,
+            dp_size=self.mesh.dp_size, consumed_samples=consumed_samples, num_workers=self.config.data.num_workers,
+            pin_memory=torch.cuda.is_available(), seed=self.config.train.seed)
+        return iter(loader)
