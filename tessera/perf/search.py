@@ -3,7 +3,7 @@
 The candidates are the layouts a Megatron user would try: TP within a node (a power of
 two dividing the heads), PP dividing the layers, context parallel only for sequences of
 8k and more (each --cp-comm-type; a2a+p2p with its all-to-all inside a node), interleaving only with pipelining, each pipeline split evenly and balanced
-(tessera.perf.simulator.balance_pipeline), sequence parallelism and TP comm overlap
+(tessera.perf.pipeline_balance), sequence parallelism and TP comm overlap
 whenever TP > 1, the distributed optimizer whenever DP > 1 (it is never slower and saves
 memory), recomputation only as a fallback when nothing fits without it. For MoE models,
 expert parallelism: EP a power of two dividing the experts, expert-TP 1 or the TP size,
@@ -21,7 +21,8 @@ from tessera.perf.cluster import Cluster
 from tessera.perf.kernels import KernelCurves
 from tessera.perf.layout import Layout, check_layout
 from tessera.perf.memory import usable_bytes
-from tessera.perf.simulator import Prediction, balance_pipeline, predict
+from tessera.perf.pipeline_balance import balance_pipeline
+from tessera.perf.simulator import Prediction, predict
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 LONG_SEQUENCE = 8192

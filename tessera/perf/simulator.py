@@ -32,11 +32,9 @@ Model FLOPs (for MFU) are Megatron's formula; the time is for the work really do
 
 from __future__ import annotations
 
-import itertools
-import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from tessera.config import ConfigError, ModelConfig
+from tessera.config import ModelConfig
 from tessera.perf.cluster import Cluster, Link
 from tessera.perf.deepseek import add_mtp_depths, latent_attention
 from tessera.perf.flops import _core_attention_width, flops_per_iteration
@@ -279,7 +277,7 @@ def predict(model: ModelConfig, layout: Layout, cluster: Cluster, curves: Kernel
     micro_batches = layout.num_micro_batches(global_batch_size)
     output = steps.output_layer(layout, vocab)
     rank_layers = _rank_layer_passes(steps, layout)
-    passes = [_micro_batch_passes(layers, layout.recompute, output if rank == layout.pp - 1 else None)
+    passes = [micro_batch_passes(layers, layout.recompute, output if rank == layout.pp - 1 else None)
               for rank, layers in enumerate(rank_layers)]
     times = [fwd.total + bwd.total for fwd, bwd in passes]
     slowest = times.index(max(times))
@@ -309,52 +307,6 @@ def predict(model: ModelConfig, layout: Layout, cluster: Cluster, curves: Kernel
                       global_batch_size * seq_length)
 
 
-def balance_pipeline(model: ModelConfig, layout: Layout, cluster: Cluster, curves: KernelCurves,
-                     seq_length: int) -> Layout:
-    """The layout with --decoder-first/last-pipeline-num-layers set so that the slowest
-    pipeline rank is as fast as it can be (the even split if nothing beats it).
-
-    The last rank also runs the output layer and the loss (about 2 layers' worth for a 50k
-    vocabulary at h = 2048), so it usually gives layers to the first. Splits within a few
-    layers of even are tried; the step time falls with the slowest rank's time, because the
-    sum of all ranks' times (the fill and the drain) does not depend on the split.
-    """
-    if layout.pp == 1:
-        return layout
-    steps = StepModel(model, cluster, curves, seq_length)
-    moe = model.moe_layers()
-
-    def seconds(kind: bool) -> float:
-        return sum(phase.total for phase in _micro_batch_passes([steps.layer(layout, kind)], layout.recompute, None))
-
-    per_kind = {kind: seconds(kind) for kind in set(moe)}
-    layer_times = [per_kind[kind] for kind in moe]   # dense and MoE layers differ
-    layer = sum(layer_times) / len(layer_times)       # the unit of the splits tried
-    output = sum(phase.total for phase in steps.output_layer(layout, model.padded_vocab_size(layout.tp)))
-    even = model.num_layers // (layout.pp * layout.virtual_stages)
-    reach = range(max(1, even - math.ceil(output / layer) - 1), even + math.ceil(output / layer) + 2)
-
-    def cost(first: int | None, last: int | None) -> tuple[float, int]:
-        """(slowest rank's time in layers, stages' distance from even): among equally fast
-        splits the nearest to even, whose chunks stay alike under interleaving."""
-        candidate = replace(layout, first_stage_layers=first, last_stage_layers=last)
-        per_rank = candidate.rank_layers(model.num_layers)
-        slowest = max(sum(layer_times[i] for i in layers) + (output if rank == layout.pp - 1 else 0.0)
-                      for rank, layers in enumerate(per_rank))
-        return round(slowest / layer, 6), sum(abs(size - even) for size in candidate.stage_layers(model.num_layers))
-
-    options = {}
-    for first, last in itertools.product([None, *reach], repeat=2):
-        try:
-            options[(first, last)] = cost(first, last)
-        except ConfigError:   # the other stages cannot split the rest evenly
-            continue
-    if not options:   # no split near even works (the layout's own, if any, stands)
-        return layout
-    first, last = min(options, key=options.get)
-    return replace(layout, first_stage_layers=first, last_stage_layers=last)
-
-
 def _rank_layer_passes(steps: StepModel, layout: Layout) -> list[list[tuple[Phase, Phase]]]:
     """Per pipeline rank, the (forward, backward) of one micro-batch through each of its layers."""
     moe = steps.model.moe_layers()
@@ -362,7 +314,7 @@ def _rank_layer_passes(steps: StepModel, layout: Layout) -> list[list[tuple[Phas
     return [[kinds[moe[i]] for i in layers] for layers in layout.rank_layers(steps.model.num_layers)]
 
 
-def _micro_batch_passes(layers: list[tuple[Phase, Phase]], recompute: str,
+def micro_batch_passes(layers: list[tuple[Phase, Phase]], recompute: str,
                         output: tuple[Phase, Phase] | None) -> tuple[Phase, Phase]:
     """Forward and backward of one micro-batch on a pipeline rank through its `layers` (and
     the output layer and loss on the last rank)."""
