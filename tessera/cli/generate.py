@@ -4,12 +4,15 @@
     tessera generate --load CKPT_DIR --input prompts.jsonl --output out.jsonl --output-format jsonl
 
 The model and tokenizer flags (`add_model_arguments`, `build_engine`) are shared with `tessera serve`.
+Under `torchrun --nproc-per-node N ... --tensor-model-parallel-size N` every rank runs the same
+prompts on its shard of the model (tessera.inference.lockstep) and rank 0 writes the output.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -44,6 +47,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--inference-max-seq-length", type=int,
                         help="longest prompt + output (default: the model's context); bounds the KV cache")
     engine.add_argument("--seed", type=int, default=1234, help="seed of requests that bring none")
+    parallel = parser.add_argument_group("parallel (under torchrun)")
+    parallel.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="N",
+                          help="split each layer over N ranks: launch with torchrun --nproc-per-node N [1]")
+    parallel.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                          help="how long a model collective may wait for another rank [10]")
 
 
 def _dtype(name: str, device: str):
@@ -55,14 +63,16 @@ def _dtype(name: str, device: str):
 
 
 def build_engine(args: argparse.Namespace, prog: str):
-    """(Engine, TextTokenizer, model name) from the parsed model flags; exits with one line on a bad one."""
+    """(Engine, TextTokenizer, model name, TensorParallel or None) from the parsed model flags; exits with
+    one line on a bad one. Under tensor parallelism the engine holds this rank's shard."""
     import torch
 
     from tessera.inference.engine import Engine
     from tessera.inference.loading import load_model
+    from tessera.inference.lockstep import init_tensor_parallel
     from tessera.inference.text import load_tokenizer, read_chat_template
 
-    for name in ("inference_max_requests", "inference_max_seq_length"):
+    for name in ("inference_max_requests", "inference_max_seq_length", "tensor_model_parallel_size"):
         value = getattr(args, name)
         if value is not None and value < 1:
             fail(prog, f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -72,17 +82,24 @@ def build_engine(args: argparse.Namespace, prog: str):
         if not Path(source).is_dir():
             raise ConfigError(f"{'--load' if args.load else '--hf'} {source}: no such directory")
         chat_template = read_chat_template(args.chat_template)
-        model, info = load_model(load=args.load, hf=args.hf, dtype=_dtype(args.dtype, device), device=device)
+        parallel = init_tensor_parallel(args.tensor_model_parallel_size, device, args.distributed_timeout_minutes)
+        device = parallel.device if parallel else device
+        model, info = load_model(load=args.load, hf=args.hf, dtype=_dtype(args.dtype, device), device=device,
+                                 tp_group=parallel.model_group if parallel else None)
         tokenizer = load_tokenizer(
             tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file,
             merge_file=args.merge_file, chat_template=chat_template, search_dirs=[info.tokenizer_dir],
             checkpoint_config=info.checkpoint_config)
         eos = tuple(dict.fromkeys((*info.eos_token_ids, *tokenizer.eos_token_ids)))
-        engine = Engine(model, max_requests=args.inference_max_requests,
-                        max_seq_length=args.inference_max_seq_length, eos_token_ids=eos, seed=args.seed)
+
+        def make_engine(num_blocks: int | None = None) -> Engine:
+            return Engine(model, max_requests=args.inference_max_requests, num_blocks=num_blocks,
+                          max_seq_length=args.inference_max_seq_length, eos_token_ids=eos, seed=args.seed)
+
+        engine = parallel.agree_on_cache(make_engine) if parallel else make_engine()
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         fail(prog, str(exc))
-    return engine, tokenizer, Path(source).resolve().name
+    return engine, tokenizer, Path(source).resolve().name, parallel
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -174,7 +191,8 @@ def main(argv: list[str]) -> int:
     from tessera.inference.sampling import SamplingParams
     from tessera.inference.text import generate_texts
 
-    engine, tokenizer, _ = build_engine(args, PROG)
+    engine, tokenizer, _, parallel = build_engine(args, PROG)
+    writes = parallel is None or parallel.rank == 0   # the other ranks only keep rank 0's engine in step
     prompts = [_encode(tokenizer, record, args) for record in records]
     params = []
     for number, prompt in enumerate(prompts, 1):
@@ -190,8 +208,8 @@ def main(argv: list[str]) -> int:
         params[0].validate()
     except ValueError as exc:
         fail(PROG, f"--{str(exc).replace('_', '-')}")
-    out = open(args.output, "w") if args.output else sys.stdout
-    progress = tqdm(total=len(prompts), unit="prompt", disable=args.input is None, file=sys.stderr)
+    out = (open(args.output, "w") if args.output else sys.stdout) if writes else open(os.devnull, "w")
+    progress = tqdm(total=len(prompts), unit="prompt", disable=args.input is None or not writes, file=sys.stderr)
     start = time.perf_counter()
     try:
         texts = generate_texts(engine, tokenizer, prompts, params, stop=args.stop,
@@ -203,6 +221,10 @@ def main(argv: list[str]) -> int:
         progress.close()
         if out is not sys.stdout:
             out.close()
+    if parallel:
+        parallel.leave()
+    if not writes:
+        return 0
     generated = sum(text.completion_tokens for text in texts)
     print(f"{PROG}: {len(prompts)} prompt{'s' * (len(prompts) > 1)}, {sum(map(len, prompts))} prompt tokens, "
           f"{generated} generated in {elapsed:.2f} s: {generated / elapsed:,.1f} tokens/s", file=sys.stderr)

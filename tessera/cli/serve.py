@@ -3,7 +3,9 @@
     tessera serve --hf HF_DIR --port 8000
     curl localhost:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
 
-Routes and their schemas: tessera.inference.server and docs/inference.md.
+Routes and their schemas: tessera.inference.server and docs/inference.md. Under
+`torchrun --nproc-per-node N ... --tensor-model-parallel-size N` rank 0 serves HTTP and the
+other ranks step their shards in lockstep with it (tessera.inference.lockstep).
 """
 
 from __future__ import annotations
@@ -35,15 +37,37 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     if not 0 <= args.port < 65536:
         fail(PROG, f"--port must be in [0, 65535], got {args.port}")
-    try:
-        import uvicorn
+    try:   # the serving stack is an extra: say so before the model loads
+        import uvicorn  # noqa: F401
 
-        from tessera.inference.server import create_app
+        import tessera.inference.server  # noqa: F401
     except ImportError as exc:
         fail(PROG, f"{exc.name} is missing: pip install 'tessera[serve]'")
-    engine, tokenizer, name = build_engine(args, PROG)
+    engine, tokenizer, name, parallel = build_engine(args, PROG)
+    if parallel is None:
+        _serve(engine, tokenizer, name, args)
+        return 0
+    from tessera.inference.lockstep import Leader, follow
+
+    if parallel.rank != 0:
+        follow(engine, parallel)
+        parallel.leave()
+        return 0
+    leader = Leader(engine, parallel)
+    with leader.serving():
+        _serve(leader, tokenizer, name, args)
+    if leader.failed:   # the other ranks may be stuck in a collective: exiting non-zero has torchrun end them
+        fail(PROG, "the engine failed; see the log above")
+    parallel.leave()
+    return 0
+
+
+def _serve(engine, tokenizer, name: str, args) -> None:
+    import uvicorn
+
+    from tessera.inference.server import create_app
+
     app = create_app(engine, tokenizer, model_name=args.served_model_name or name)
     print(f"{PROG}: '{app.state.server.model_name}' on http://{args.host}:{args.port}/v1 "
           f"(context {engine.max_seq_length}, {args.inference_max_requests} requests at a time)", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
