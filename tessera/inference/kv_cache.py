@@ -3,15 +3,16 @@
     cache = PagedKVCache.for_model(model, num_blocks=1024, block_size=16)
     blocks = cache.allocator.allocate(3)            # a request's block table grows block by block
     k_pool, v_pool = cache.pools[layer_index]       # [num_blocks * block_size, kv heads, head dim]
+    latent_pool = cache.pools[mla_layer_index]      # [num_blocks * block_size, kv_lora_rank + rope dim]
 
 A token at position p of a request lives in slot `blocks[p // block_size] * block_size +
 p % block_size` of every layer's pool. Only this rank's key/value heads are stored: the KV
 groups of grouped-query attention (not one copy per query head), split over
 tensor-parallel ranks as the attention layer splits them. Multi-latent attention (MLA)
-stores each head's expanded key (no-position and rotary parts) and value, not the
-compressed latent: its keys and values reach the cache through the same `attend` call as
-any attention's (tessera.inference.paged_attention), and caching the latent would need
-MLA's up-projections inside the cache read.
+stores what DeepSeek's inference stores: the normed latent and the rotated positional key,
+shared by all heads (512 + 64 values a token in DeepSeek-V3 against 128 heads x (192 +
+128)); every rank holds all of it, and expands it into its own heads' keys and values
+when attention reads the context (tessera.inference.paged_attention.LatentLayerCache).
 
 Block 0 is never handed out: padded rows of a CUDA-graph batch write there.
 
@@ -114,32 +115,57 @@ class LayerShape:
     key_dim: int
     value_dim: int
 
+    @property
+    def values_per_token(self) -> int:
+        return self.heads * (self.key_dim + self.value_dim)
 
-def layer_shape(attention: nn.Module) -> LayerShape:
-    """The cached shape of a tessera attention module (Attention or MultiLatentAttention), this rank's heads."""
-    if hasattr(attention, "kv_lora_rank"):   # MLA: one key and value per head
-        return LayerShape(attention.num_heads, attention.qk_head_dim + attention.pos_dim, attention.v_head_dim)
+    def allocate(self, slots: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.zeros(slots, self.heads, self.key_dim, dtype=dtype, device=device),
+                torch.zeros(slots, self.heads, self.value_dim, dtype=dtype, device=device))
+
+
+@dataclass(frozen=True)
+class LatentShape:
+    """What an MLA layer caches per token: the normed latent and the rotated key shared by all heads."""
+
+    latent_dim: int
+    pos_dim: int
+
+    @property
+    def values_per_token(self) -> int:
+        return self.latent_dim + self.pos_dim
+
+    def allocate(self, slots: int, dtype: torch.dtype, device) -> torch.Tensor:
+        return torch.zeros(slots, self.values_per_token, dtype=dtype, device=device)
+
+
+CacheShape = LayerShape | LatentShape
+
+
+def layer_shape(attention: nn.Module) -> CacheShape:
+    """The cached shape of a tessera attention module (Attention: this rank's KV groups; MLA: its latent)."""
+    if hasattr(attention, "kv_lora_rank"):
+        return LatentShape(attention.kv_lora_rank, attention.pos_dim)
     return LayerShape(attention.num_groups, attention.head_dim, attention.head_dim)
 
 
 class PagedKVCache:
-    """Key and value pools of every layer, [num_blocks * block_size, heads, dim], and their allocator."""
+    """Every layer's pools, [num_blocks * block_size, ...]: (keys, values) per head, or one latent
+    pool for MLA; and their allocator."""
 
-    def __init__(self, shapes: dict[int, LayerShape], num_blocks: int, block_size: int, *, dtype: torch.dtype,
+    def __init__(self, shapes: dict[int, CacheShape], num_blocks: int, block_size: int, *, dtype: torch.dtype,
                  device, prefix_caching: bool = False):
         self.block_size, self.num_blocks = block_size, num_blocks
         slots = num_blocks * block_size
-        self.pools = {index: (torch.zeros(slots, s.heads, s.key_dim, dtype=dtype, device=device),
-                              torch.zeros(slots, s.heads, s.value_dim, dtype=dtype, device=device))
-                      for index, s in shapes.items()}
+        self.pools = {index: shape.allocate(slots, dtype, device) for index, shape in shapes.items()}
         self.allocator = BlockAllocator(num_blocks, block_size, prefix_caching=prefix_caching)
 
     @staticmethod
-    def model_shapes(model: nn.Module) -> dict[int, LayerShape]:
+    def model_shapes(model: nn.Module) -> dict[int, CacheShape]:
         """Each block's cached shape, by global layer index."""
         return {index: layer_shape(block.attention) for index, block in model.layers.items()}
 
     @staticmethod
-    def bytes_per_block(shapes: dict[int, LayerShape], block_size: int, dtype: torch.dtype) -> int:
-        width = sum(s.heads * (s.key_dim + s.value_dim) for s in shapes.values())
+    def bytes_per_block(shapes: dict[int, CacheShape], block_size: int, dtype: torch.dtype) -> int:
+        width = sum(s.values_per_token for s in shapes.values())
         return width * block_size * torch.empty((), dtype=dtype).element_size()

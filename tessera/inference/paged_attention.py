@@ -19,12 +19,18 @@ k and v go into the cache at the tokens' slots, then
   bottom right: query i of L sits at position C - L + i of a context of C. (SDPA's
   `is_causal` aligns the top left, wrong whenever L < C: shared/reference/inference-post.md 3.)
 
+Multi-latent attention calls `LatentLayerCache.attend_latent` instead (tessera.models.mla's
+hook): the cache keeps each token's latent and positional key, and every read of the context
+expands the gathered latents through the layer's kv_up into keys and values, then attends
+as above (DeepSeek's "absorbed" form, kv_up folded into the queries, is not done here).
+
 The decode group alone (`StepAttention.decode_only`) is what the CUDA graphs capture.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +51,7 @@ class ContinuedRow:
 class StepAttention:
     """Where one forward pass's tokens go in the cache and what each attends to."""
 
-    pools: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    pools: dict[int, tuple[torch.Tensor, torch.Tensor] | torch.Tensor]   # PagedKVCache.pools
     block_size: int
     slots: torch.Tensor                          # [tokens] int64: each token's cache slot
     decode_tables: torch.Tensor | None = None    # [decode rows, blocks] int64
@@ -69,8 +75,9 @@ class StepAttention:
         bounds = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
         return Documents.from_cu_seqlens(bounds, 1, sum(lengths), backend=backend, device=device)
 
-    def layer(self, index: int) -> "LayerCache":
-        return LayerCache(self, *self.pools[index])
+    def layer(self, index: int) -> "LayerCache | LatentLayerCache":
+        pool = self.pools[index]
+        return LayerCache(self, *pool) if isinstance(pool, tuple) else LatentLayerCache(self, pool)
 
 
 class LayerCache:
@@ -82,48 +89,91 @@ class LayerCache:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float = 0.0,
                enable_gqa: bool = False, scale: float | None = None) -> torch.Tensor:
         """q [1, heads, tokens, d], k, v [1, kv heads, tokens, d] -> [1, heads, tokens, d_v]."""
-        step = self.step
-        self.keys[step.slots] = k[0].transpose(0, 1)
-        self.values[step.slots] = v[0].transpose(0, 1)
-        outputs, start = [], 0
-        if step.decode_tables is not None:
-            rows = step.decode_tables.shape[0]
-            context = torch.arange(step.decode_tables.shape[1] * step.block_size, device=q.device)
-            allowed = (context < step.decode_lengths[:, None])[:, None, :]          # [rows, 1, keys]
-            out = self._attend_cached(q[0, :, :rows].transpose(0, 1)[:, :, None], step.decode_tables, allowed,
-                                      scale)
-            outputs.append(out[:, :, 0].transpose(0, 1)[None])
-            start = rows
-        if step.fresh is not None:
-            end = start + step.fresh.seq_length
-            outputs.append(step.fresh.attend(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end],
-                                             enable_gqa=enable_gqa, scale=scale))
-            start = end
-        for row in step.continued:
-            end = start + row.length
-            offset = row.context - row.length
-            queries = torch.arange(row.length, device=q.device)[:, None] + offset
-            allowed = (torch.arange(row.context, device=q.device) <= queries)[None]   # [1, L, C]
-            outputs.append(self._attend_cached(q[:, :, start:end], row.blocks[None], allowed, scale))
-            start = end
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+        self.keys[self.step.slots] = k[0].transpose(0, 1)
+        self.values[self.step.slots] = v[0].transpose(0, 1)
+        block_size = self.step.block_size
+        return _attend_rows(self.step, q, lambda start, end: (k[:, :, start:end], v[:, :, start:end]),
+                            lambda tables: (_gather(self.keys, tables, block_size).transpose(1, 2),
+                                            _gather(self.values, tables, block_size).transpose(1, 2)),
+                            enable_gqa=enable_gqa, scale=scale)
 
-    def _attend_cached(self, q: torch.Tensor, tables: torch.Tensor, allowed: torch.Tensor,
-                       scale: float | None) -> torch.Tensor:
-        """q [rows, heads, L, d] against the keys of their block tables [rows, blocks], where
-        `allowed` [rows, L, keys] -> [rows, heads, L, d_v]."""
-        keys, values = (_gather(pool, tables, self.step.block_size)[:, :, :allowed.shape[-1]]
-                        for pool in (self.keys, self.values))
-        scale = q.shape[-1] ** -0.5 if scale is None else scale
-        if torch.compiler.is_compiling() and q.shape[0] == 1:   # compiled, one request: see _summed_attention
-            return _summed_attention(q, keys, values, allowed, scale)
-        rows, heads, length, _ = q.shape
-        groups = keys.shape[1]
-        # The heads of a KV group become that group's queries: [rows, groups, heads/groups * L, d].
-        q = q.reshape(rows, groups, heads // groups * length, -1)
-        mask = allowed[:, None].repeat(1, 1, heads // groups, 1)   # [rows, 1, heads/groups * L, keys]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
-        return out.reshape(rows, heads, length, -1)
+
+class LatentLayerCache:
+    """One MLA layer's view of the step: its pool holds each token's [normed latent | rotated
+    positional key]; attention expands the context's latents through the layer's kv_up into
+    this rank's heads' keys and values ("expand on read")."""
+
+    def __init__(self, step: StepAttention, pool: torch.Tensor):
+        self.step, self.pool = step, pool
+
+    def attend_latent(self, layer, q: torch.Tensor, latent: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """q [1, heads, tokens, d], latent [1, tokens, kv_lora_rank], k_pos [1, tokens, pos dim]
+        -> [1, heads, tokens, d_v]."""
+        self.pool[self.step.slots] = torch.cat([latent, k_pos], dim=-1)[0]
+        block_size = self.step.block_size
+        return _attend_rows(self.step, q,
+                            lambda start, end: _expand(layer, latent[:, start:end], k_pos[:, start:end]),
+                            lambda tables: _expand(layer, *_gather(self.pool, tables, block_size).split(
+                                [layer.kv_lora_rank, layer.pos_dim], dim=-1)),
+                            enable_gqa=False, scale=layer.softmax_scale)
+
+
+def _expand(layer, latent: torch.Tensor, k_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Latents [rows, n, kv_lora_rank] and positional keys [rows, n, pos dim] -> MLA's keys
+    [rows, heads, n, d] ([k_nope | k_pos], k_pos shared by the heads) and values [rows, heads, n, d_v]."""
+    k_nope, v = layer.expand_latent(latent)
+    k = torch.cat([k_nope, k_pos[:, :, None].expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+    return k.transpose(1, 2), v.transpose(1, 2)
+
+
+Fresh = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+Context = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _attend_rows(step: StepAttention, q: torch.Tensor, fresh_kv: Fresh, context_kv: Context, *,
+                 enable_gqa: bool, scale: float | None) -> torch.Tensor:
+    """The step's row groups in turn: `fresh_kv(start, end)` gives the keys and values
+    [1, kv heads, end - start, d] of the step's own tokens start..end-1, `context_kv(tables)`
+    those [rows, kv heads, blocks * block_size, d] of the cached blocks of block tables [rows, blocks]."""
+    outputs, start = [], 0
+    if step.decode_tables is not None:
+        rows = step.decode_tables.shape[0]
+        context = torch.arange(step.decode_tables.shape[1] * step.block_size, device=q.device)
+        allowed = (context < step.decode_lengths[:, None])[:, None, :]          # [rows, 1, keys]
+        out = _attend_cached(q[0, :, :rows].transpose(0, 1)[:, :, None], *context_kv(step.decode_tables), allowed,
+                             scale)
+        outputs.append(out[:, :, 0].transpose(0, 1)[None])
+        start = rows
+    if step.fresh is not None:
+        end = start + step.fresh.seq_length
+        outputs.append(step.fresh.attend(q[:, :, start:end], *fresh_kv(start, end), enable_gqa=enable_gqa,
+                                         scale=scale))
+        start = end
+    for row in step.continued:
+        end = start + row.length
+        offset = row.context - row.length
+        queries = torch.arange(row.length, device=q.device)[:, None] + offset
+        allowed = (torch.arange(row.context, device=q.device) <= queries)[None]   # [1, L, C]
+        outputs.append(_attend_cached(q[:, :, start:end], *context_kv(row.blocks[None]), allowed, scale))
+        start = end
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+
+
+def _attend_cached(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,
+                   scale: float | None) -> torch.Tensor:
+    """q [rows, heads, L, d] against gathered keys and values [rows, kv heads, >= keys, d], where
+    `allowed` [rows, L, keys] -> [rows, heads, L, d_v]."""
+    keys, values = keys[:, :, :allowed.shape[-1]], values[:, :, :allowed.shape[-1]]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if torch.compiler.is_compiling() and q.shape[0] == 1:   # compiled, one request: see _summed_attention
+        return _summed_attention(q, keys, values, allowed, scale)
+    rows, heads, length, _ = q.shape
+    groups = keys.shape[1]
+    # The heads of a KV group become that group's queries: [rows, groups, heads/groups * L, d].
+    q = q.reshape(rows, groups, heads // groups * length, -1)
+    mask = allowed[:, None].repeat(1, 1, heads // groups, 1)   # [rows, 1, heads/groups * L, keys]
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    return out.reshape(rows, heads, length, -1)
 
 
 def _summed_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,
@@ -146,7 +196,7 @@ def _summed_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 
 def _gather(pool: torch.Tensor, tables: torch.Tensor, block_size: int) -> torch.Tensor:
-    """The slots of each row's blocks, [rows, heads, blocks * block_size, d] (a strided view of a copy)."""
+    """The slots of each row's blocks, [rows, blocks * block_size, ...] (a copy)."""
     rows, blocks = tables.shape
     per_block = pool.view(-1, block_size, *pool.shape[1:])
-    return per_block[tables].view(rows, blocks * block_size, *pool.shape[1:]).transpose(1, 2)
+    return per_block[tables].view(rows, blocks * block_size, *pool.shape[1:])

@@ -120,18 +120,26 @@ class MultiLatentAttention(nn.Module):
             return core_attention(q, k, v, documents, dropout_p=dropout_p, scale=self.softmax_scale,
                                   context=self.context)
 
+    def expand_latent(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normed latents [b, s, kv_lora_rank] -> this rank's heads' k_nope [b, s, heads, qk_head_dim], v."""
+        kv = self.kv_up(latent)
+        return kv.view(*kv.shape[:2], self.num_heads, -1).split([self.qk_head_dim, self.v_head_dim], dim=-1)
+
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 documents: Documents | None = None) -> torch.Tensor:
         # The up projections see the whole sequence (under SP, x and the latents are shards).
         query = self.q_proj(x) if self.q_lora_rank is None else self.q_up(self.q_norm(self.q_down(x)))
         latent, k_pos = self.kv_down(x).split([self.kv_lora_rank, self.pos_dim], dim=-1)
-        kv = self.kv_up(self.kv_norm(latent))
-        batch, seq, _ = kv.shape
-        k_nope, v = kv.view(batch, seq, self.num_heads, -1).split([self.qk_head_dim, self.v_head_dim], dim=-1)
+        latent = self.kv_norm(latent)
+        batch, seq, _ = query.shape
         q_nope, q_pos = query.view(batch, seq, self.num_heads, -1).split([self.qk_head_dim, self.pos_dim], dim=-1)
         # One positional key for all heads: whole sequence, gradient summed over the ranks' heads.
         enter = gather_from_sequence_region if self.sequence_parallel else copy_to_tp_region
         k_pos = apply_rotary(enter(k_pos, self.tp_group).unsqueeze(2), *rope, interleaved=True)
         q = torch.cat([q_nope, apply_rotary(q_pos, *rope, interleaved=True)], dim=-1)
+        if hasattr(documents, "attend_latent"):   # inference's paged cache keeps the latent, not keys and values
+            out = documents.attend_latent(self, q.transpose(1, 2), latent, k_pos[:, :, 0])
+            return self.proj(out.transpose(1, 2).reshape(batch, seq, -1))
+        k_nope, v = self.expand_latent(latent)
         k = torch.cat([k_nope, k_pos.expand(-1, -1, self.num_heads, -1)], dim=-1)
         return attend_and_project(self, *(t.transpose(1, 2) for t in (q, k, v)), documents)

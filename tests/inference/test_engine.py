@@ -82,7 +82,7 @@ def test_cached_logits_equal_full_recompute(options):
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt", "tiny-moe", "tiny-deepseek"])
 def test_preemption_and_resume_recompute_the_same_logits(preset):
     """11 usable blocks of 4 tokens for 5 requests of up to 48: requests are preempted and recomputed.
-    GPT: learned positions, LayerNorm, MHA; MoE: routed experts; DeepSeek: MLA (cached per head)."""
+    GPT: learned positions, LayerNorm, MHA; MoE: routed experts; DeepSeek: MLA (caching its latent)."""
     model = tiny_model(preset)
     engine = Engine(model, block_size=4, num_blocks=12, max_batched_tokens=12, prefix_caching=False)
     check_against_full_recompute(model, engine, prompts(), SAMPLED)
