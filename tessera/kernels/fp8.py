@@ -81,7 +81,9 @@ class Fp8Linear(nn.Module):
     def __init__(self, recipe: Fp8Recipe, device: torch.device | str | None = None):
         super().__init__()
         self.recipe = recipe
-        if recipe.recipe == "delayed":   # not in state_dict: FP8 and bf16 checkpoints stay interchangeable
+        # Not in state_dict, so that FP8 and bf16 checkpoints stay interchangeable: a training
+        # checkpoint saves them apart (tessera.training.checkpoint_state).
+        if recipe.recipe == "delayed":
             self.register_buffer("amax_history", torch.zeros(3, recipe.amax_history_len, device=device),
                                  persistent=False)
             self.register_buffer("scales", torch.ones(3, device=device), persistent=False)
@@ -127,6 +129,16 @@ class Fp8Linear(nn.Module):
         forward, backward = FP8_MAX[E4M3], FP8_MAX[self.recipe.grad_dtype]
         limits = torch.tensor([forward, forward, backward], device=window.device)
         self.scales.copy_(limits / window.clamp(min=_TINY_AMAX) / 2.0**self.recipe.margin)
+        self.calibrated = True
+
+    @torch.no_grad()
+    def resume_scaling(self, history: torch.Tensor, scales: torch.Tensor) -> None:
+        """Delayed scaling, on resume: a checkpoint's amax history (newest first; under another
+        history length, the newest steps that fit) and the scales it gave."""
+        kept = min(history.shape[1], self.amax_history.shape[1])
+        self.amax_history.zero_()
+        self.amax_history[:, :kept] = history[:, :kept]
+        self.scales.copy_(scales)
         self.calibrated = True
 
 

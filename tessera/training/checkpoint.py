@@ -7,8 +7,10 @@ On disk (Megatron's layout; one torch.distributed.checkpoint directory per save)
     SAVE_DIR/iter_0001000/.metadata, *.distcp    DCP: every tensor by full-tensor coordinates
 
 Every rank writes its own pieces (tessera.training.checkpoint_state) and DCP records
-where each sits in the full tensor, so any layout can load them. The tracker is
-replaced atomically (write, fsync, rename) only after every rank has finished, so a
+where each sits in the full tensor, so any layout can load them. FP8 delayed scaling's
+amax histories are saved by layer name beside the model (a run without FP8 ignores them;
+an FP8 layer the checkpoint lacks starts its history fresh). The tracker is replaced
+atomically (write, fsync, rename) only after every rank has finished, so a
 process killed mid-save leaves the tracker on the previous checkpoint; on --load,
 checkpoints newer than the tracker or without DCP's .metadata are skipped with a
 warning, and one that fails to read is skipped for the next older one.
@@ -45,8 +47,8 @@ import yaml
 from tessera.config import ConfigError, ModelConfig, RunConfig, flag
 from tessera.files import atomic_write
 from tessera.training.checkpoint_state import (
-    Chunked, LoadPlanner, SavePlanner, master_state, model_state, optimizer_state, optimizer_steps,
-    set_optimizer_steps,
+    Chunked, LoadPlanner, SavePlanner, fp8_scaling_state, fp8_scaling_targets, master_state, model_state,
+    optimizer_state, optimizer_steps, restore_fp8_scaling, saved_like, set_optimizer_steps, whole,
 )
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -194,6 +196,7 @@ def training_state(trainer) -> dict[str, Any]:
     # block in the plan, and DCP keeps one of them.
     state: dict[str, Any] = master_state(trainer.model, trainer.optimizer) or model_state(trainer.model)
     state.update(optimizer_state(trainer.model, trainer.optimizer))
+    state.update(fp8_scaling_state(trainer.model))   # FP8 delayed scaling's amax histories and scales
     state["train_state"] = {
         "iteration": trainer.iteration, "consumed_samples": trainer.consumed_samples,
         "skipped_iterations": trainer.skipped_iterations, "nan_iterations": trainer.nan_iterations,
@@ -347,6 +350,7 @@ class Checkpointer:
         _check_tensors(state, metadata, directory)
         if not weights_only:
             state["train_state"] = None
+            state.update(fp8_scaling_targets(trainer.model, metadata))
         rng_key = f"rng.{_rank()}"
         if not (weights_only or self.options.no_load_rng) and rng_key in metadata:
             state[rng_key] = None
@@ -364,6 +368,10 @@ class Checkpointer:
         trainer.loss_scaler.load_state_dict(train_state["loss_scaler"])
         if not self.options.no_load_optim and train_state["optimizer_steps"] is not None:
             set_optimizer_steps(trainer.optimizer, train_state["optimizer_steps"])
+        missing = restore_fp8_scaling(trainer.model, state)
+        if missing:
+            _warn(f"{directory} has no FP8 delayed-scaling state for {len(missing)} layers (e.g. {missing[0]}): "
+                  "their amax histories start fresh")
         self.last_saved = trainer.iteration
         if rng_key in state and train_state["layout"] == _layout(trainer):
             _set_rng_state(trainer, state[rng_key])
@@ -377,7 +385,7 @@ class Checkpointer:
 def save_model_checkpoint(root: str | os.PathLike, model: ModelConfig, tensors: dict[str, torch.Tensor],
                           extra_files: dict[str, str] | None = None) -> None:
     """A checkpoint of full weights at iteration 0, from one process (--load DIR --finetune)."""
-    state = {f"model.{name}": Chunked(tuple(t.shape), [((0,) * t.ndim, t)]) for name, t in tensors.items()}
+    state = {f"model.{name}": whole(t) for name, t in tensors.items()}
     write_checkpoint(iteration_dir(root, 0), state, {"model": dataclasses.asdict(model)}, extra_files=extra_files)
 
 
@@ -390,8 +398,7 @@ def load_model_checkpoint(root: str | os.PathLike, extra_files: tuple[str, ...] 
     directory = candidates[0]
     config = ModelConfig(**yaml.safe_load((directory / CONFIG).read_text())["model"])
     metadata = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
-    state = {key: Chunked(tuple(md.size), [((0,) * len(md.size), torch.empty(md.size, dtype=md.properties.dtype))])
-             for key, md in metadata.items() if key.startswith("model.")}
+    state = {key: saved_like(md) for key, md in metadata.items() if key.startswith("model.")}
     with _single_process_ok():
         dcp.load(state, storage_reader=dcp.FileSystemReader(directory), planner=LoadPlanner())
     tensors = {key.removeprefix("model."): value.blocks[0][1] for key, value in state.items()}

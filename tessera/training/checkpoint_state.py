@@ -13,7 +13,9 @@ every piece of state is described that way, whatever cut it out of the full tens
 
 So model weights, Adam moments and fp32 masters are stored once each as full tensors,
 and load under any TP / DP / distributed-optimizer / FSDP2 layout. Pieces held by several
-ranks (DP replicas, TP-replicated KV groups) are identical; DCP writes one of them.
+ranks (DP replicas, TP-replicated KV groups) are identical; DCP writes one of them. FP8
+delayed scaling's amax histories and scales are kept apart from the model's (fp8.*), by
+layer name, so that FP8 and bf16 checkpoints hold the same model.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from tessera.kernels.fp8 import Fp8Linear
 from tessera.parallel.sharding import ShardSpec
 from tessera.parallel.zero import DistributedOptimizer
 
@@ -58,6 +61,17 @@ class Chunked:
             if tuple(block_offsets) == tuple(offsets):
                 return view
         raise KeyError(f"no block at {tuple(offsets)}")
+
+
+def whole(tensor: torch.Tensor) -> Chunked:
+    """A tensor that each rank holding it holds in full."""
+    return Chunked(tuple(tensor.shape), [((0,) * tensor.ndim, tensor)])
+
+
+def saved_like(metadata) -> Chunked:
+    """A new CPU tensor of a saved tensor's shape and dtype (DCP metadata), for DCP to load into."""
+    return whole(torch.empty(metadata.size, dtype=metadata.properties.dtype))
+
 
 class SavePlanner(DefaultSavePlanner):
     def __init__(self):
@@ -155,7 +169,7 @@ def model_state(model: nn.Module) -> dict[str, Chunked]:
     state = {f"model.{_name(name)}": Chunked(_spec(param).full_shape, _local_blocks(param, param.data))
              for name, param in model.named_parameters()}
     for name, buffer in persistent_buffers(model).items():
-        state[f"model.{name}"] = Chunked(tuple(buffer.shape), [((0,) * buffer.ndim, buffer)])
+        state[f"model.{name}"] = whole(buffer)
     return state
 
 
@@ -167,6 +181,44 @@ def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _name(name: str) -> str:
     return name.replace("_orig_mod.", "")  # torch.compile's wrapper does not change what is stored
+
+
+# -- FP8 delayed scaling --------------------------------------------------------------
+
+_FP8_STATE = ("amax_history", "scales")
+
+
+def delayed_fp8_layers(model: nn.Module) -> dict[str, Fp8Linear]:
+    """The delayed-scaling FP8 GEMMs by module name (global layer indices: the same under any PP layout)."""
+    return {_name(name): module for name, module in model.named_modules()
+            if isinstance(module, Fp8Linear) and module.recipe.recipe == "delayed"}
+
+
+def fp8_scaling_state(model: nn.Module) -> dict[str, Chunked]:
+    """Amax histories and scales of the delayed-scaling layers that have taken a step. Every rank
+    holding a layer holds the same state (amaxes are MAX-reduced over tp_dp_cp), so it is saved
+    whole; a layer yet to take a step has nothing to save, and starts fresh on resume as well."""
+    return {f"fp8.{name}.{kind}": whole(getattr(layer, kind))
+            for name, layer in delayed_fp8_layers(model).items() if layer.calibrated for kind in _FP8_STATE}
+
+
+def fp8_scaling_targets(model: nn.Module, metadata: dict) -> dict[str, Chunked]:
+    """Where to load the saved FP8 scaling state of this model's delayed-scaling layers, those the
+    checkpoint has (in its saved shape: --fp8-amax-history-len may have changed)."""
+    return {key: saved_like(metadata[key]) for name in delayed_fp8_layers(model) for kind in _FP8_STATE
+            if (key := f"fp8.{name}.{kind}") in metadata}
+
+
+def restore_fp8_scaling(model: nn.Module, state: dict) -> list[str]:
+    """Resume each delayed-scaling layer from its loaded state; the names of those the checkpoint lacked."""
+    missing = []
+    for name, layer in delayed_fp8_layers(model).items():
+        keys = [f"fp8.{name}.{kind}" for kind in _FP8_STATE]
+        if all(key in state for key in keys):
+            layer.resume_scaling(*(state[key].blocks[0][1] for key in keys))
+        else:
+            missing.append(name)
+    return missing
 
 
 # -- optimizer state -------------------------------------------------------------------
