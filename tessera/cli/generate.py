@@ -11,14 +11,15 @@ prompts on its shard of the model (tessera.inference.lockstep) and rank 0 writes
 from __future__ import annotations
 
 import argparse
+import io
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 from tessera.cli.args import _Parser, fail
 from tessera.config import ConfigError, DataConfig
+from tessera.files import atomic_write
 
 PROG = "tessera generate"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -208,23 +209,27 @@ def main(argv: list[str]) -> int:
         params[0].validate()
     except ValueError as exc:
         fail(PROG, f"--{str(exc).replace('_', '-')}")
-    out = (open(args.output, "w") if args.output else sys.stdout) if writes else open(os.devnull, "w")
+    if args.output and not Path(args.output).resolve().parent.is_dir():
+        fail(PROG, f"--output {args.output}: its directory does not exist")
     progress = tqdm(total=len(prompts), unit="prompt", disable=args.input is None or not writes, file=sys.stderr)
     start = time.perf_counter()
     try:
         texts = generate_texts(engine, tokenizer, prompts, params, stop=args.stop,
                                on_finished=lambda index, text: progress.update())
-        elapsed = time.perf_counter() - start
-        for record, text in zip(records, texts):
-            _write(out, record, text, tokenizer, args)
     finally:
         progress.close()
-        if out is not sys.stdout:
-            out.close()
+    elapsed = time.perf_counter() - start
     if parallel:
         parallel.leave()
-    if not writes:
+    if not writes:   # the other ranks only kept rank 0's engine in step
         return 0
+    out = io.StringIO()
+    for record, text in zip(records, texts):
+        _write(out, record, text, tokenizer, args)
+    if args.output:   # a temporary name, then renamed: never a half-written file
+        atomic_write(args.output, lambda file: file.write(out.getvalue().encode()))
+    else:
+        sys.stdout.write(out.getvalue())
     generated = sum(text.completion_tokens for text in texts)
     print(f"{PROG}: {len(prompts)} prompt{'s' * (len(prompts) > 1)}, {sum(map(len, prompts))} prompt tokens, "
           f"{generated} generated in {elapsed:.2f} s: {generated / elapsed:,.1f} tokens/s", file=sys.stderr)

@@ -87,6 +87,7 @@ def test_a_checkpoint_without_tokenizer_files_names_the_flags_to_give(hf_dir, tm
     (["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--prompt", "x " * 300], "the context holds 256"),
     (["--prompt", "x", "--tokenizer-model", "/nonexistent"], "--tokenizer-model /nonexistent"),
+    (["--prompt", "x", "--output", "/nonexistent/out.jsonl"], "--output /nonexistent/out.jsonl: its directory"),
 ])
 def test_bad_flags_stop_with_one_line_naming_them(hf_dir, flags, message, capsys):
     with pytest.raises(SystemExit) as stopped:
