@@ -123,6 +123,10 @@ class Leader:
     def max_seq_length(self) -> int:
         return self.engine.max_seq_length
 
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.engine.eos_token_ids
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params) -> None:
         self.engine.add_request(request_id, prompt_token_ids, params)   # a refused one (ValueError) stays here
         self._applied.append((ADD, request_id, list(prompt_token_ids), params))

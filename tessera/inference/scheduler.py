@@ -138,7 +138,7 @@ class Scheduler:
         return math.ceil(tokens / self.block_size)
 
     def _reserve(self, request: Request, tokens: int) -> bool:
-        missing = -(-tokens // self.block_size) - len(request.blocks)
+        missing = self.blocks_needed(tokens) - len(request.blocks)
         if missing <= 0:
             return True
         if missing > self.allocator.num_free:

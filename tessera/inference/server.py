@@ -21,7 +21,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Sequence
+from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -54,13 +54,12 @@ class _Choice:
 class Server:
     """What the routes share: the engine, the tokenizer, checks and the shapes of answers."""
 
-    def __init__(self, engine: AsyncEngine, tokenizer: TextTokenizer, model_name: str,
-                 eos_token_ids: Sequence[int] = ()):
+    def __init__(self, engine: AsyncEngine, tokenizer: TextTokenizer, model_name: str):
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_seq_length = engine.engine.max_seq_length
-        self.hidden_token_ids = set(eos_token_ids) | set(tokenizer.eos_token_ids)
+        self.hidden_token_ids = set(engine.engine.eos_token_ids) | set(tokenizer.eos_token_ids)
         self.created = int(time.time())
 
     def check_model(self, fields: SamplingFields) -> None:
@@ -362,7 +361,7 @@ def add_info(app: FastAPI, server: Server) -> None:
         return JSONResponse(error.body(), status_code=503)
 
 
-def create_app(engine, tokenizer: TextTokenizer, *, model_name: str, eos_token_ids: Sequence[int] = ()) -> FastAPI:
+def create_app(engine, tokenizer: TextTokenizer, *, model_name: str) -> FastAPI:
     """The app serving `engine` (a tessera.inference.engine.Engine) as `model_name`.
 
     The engine's thread starts and stops with the app (its lifespan).
@@ -378,7 +377,7 @@ def create_app(engine, tokenizer: TextTokenizer, *, model_name: str, eos_token_i
             async_engine.shutdown()
 
     app = FastAPI(title="tessera", lifespan=lifespan)
-    server = Server(async_engine, tokenizer, model_name, eos_token_ids)
+    server = Server(async_engine, tokenizer, model_name)
     app.state.server = server
 
     @app.exception_handler(APIError)

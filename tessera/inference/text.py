@@ -305,18 +305,20 @@ class RequestText:
 
 
 def generate_texts(engine, tokenizer: TextTokenizer, prompts: Sequence[list[int]], params: Sequence, *,
-                   stop: Sequence[str] = (), hidden_token_ids: Sequence[int] = (),
+                   stop: Sequence[str] = (),
                    on_finished: Callable[[int, RequestText], None] = lambda index, text: None) -> list[RequestText]:
     """Run prompts to their end on a synchronous `Engine`, as text (in prompt order).
 
     All are queued at once (the engine runs what fits and keeps the rest waiting);
-    `on_finished(index, text)` is called as each one ends (progress bars).
+    `on_finished(index, text)` is called as each one ends (progress bars). The tokens the
+    engine stops on (its EOS ids, each request's stop tokens) are not shown as text.
     """
     texts: dict[str, tuple[int, RequestText]] = {}
+    eos = set(engine.eos_token_ids) | set(tokenizer.eos_token_ids)
     for index, (prompt, request_params) in enumerate(zip(prompts, params)):
         request_id = str(index)
         engine.add_request(request_id, list(prompt), request_params)
-        hidden = set(hidden_token_ids) | set(tokenizer.eos_token_ids) | set(request_params.stop_token_ids)
+        hidden = eos | set(request_params.stop_token_ids)
         texts[request_id] = (index, RequestText(tokenizer, prompt, stop=stop, skip_token_ids=hidden,
                                                 abort=lambda request_id=request_id: engine.abort_request(request_id)))
     while engine.has_unfinished_requests():

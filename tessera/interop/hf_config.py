@@ -272,7 +272,7 @@ def infer_family(model: ModelConfig) -> str:
             and not model.swiglu and model.add_bias_linear:
         return "gpt2"
     if model.position_embedding_type == "rope" and model.normalization == "RMSNorm" and model.swiglu \
-            and model.disable_bias_linear and model.rotary_percent == 1.0 and not model.multi_latent_attention:
+            and model.disable_bias_linear and model.rotary_percent == 1.0:
         if model.num_experts is not None:
             return _moe_family(model)
         if not model.qk_layernorm:
@@ -304,8 +304,9 @@ def hf_config_from_model(model: ModelConfig, family: str, base: dict[str, Any] |
     if family not in FAMILIES:
         raise UnsupportedModel(f"unknown family '{family}'; choose one of {', '.join(FAMILIES)}")
     same = ({"llama", "mistral"}, {"deepseek_v3", "kimi_k2"})   # one computation, two names
-    if family != infer_family(model) and {family, infer_family(model)} not in same:
-        raise UnsupportedModel(f"this model is a {infer_family(model)} model, not {family}")
+    inferred = infer_family(model)
+    if family != inferred and {family, inferred} not in same:
+        raise UnsupportedModel(f"this model is a {inferred} model, not {family}")
     hf = dict(base or {})
     if base is not None and base.get("model_type") != family:
         hf = {}  # another family's fields would not mean the same thing

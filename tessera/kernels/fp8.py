@@ -126,9 +126,9 @@ class Fp8Linear(nn.Module):
         for role in ROLES:
             getattr(self, f"{role}_amax").zero_()
         window = history[:, 0] if self.recipe.amax_compute_algo == "most_recent" else history.amax(dim=1)
-        forward, backward = FP8_MAX[E4M3], FP8_MAX[self.recipe.grad_dtype]
-        limits = torch.tensor([forward, forward, backward], device=window.device)
-        self.scales.copy_(limits / window.clamp(min=_TINY_AMAX) / 2.0**self.recipe.margin)
+        margin = self.recipe.margin   # input and weight in E4M3, the gradient in its own format
+        self.scales.copy_(torch.cat([scale_for(window[:GRAD], E4M3, margin),
+                                     scale_for(window[GRAD:], self.recipe.grad_dtype, margin)]))
         self.calibrated = True
 
     @torch.no_grad()

@@ -86,7 +86,7 @@ class ContextAttention:
         inner = cp.group if self.comm_type == "a2a" else cp.inner_group
         outer = None if self.comm_type == "a2a" else cp.outer_group
         inner_size, outer_rank = rank_and_size(inner)[1], rank_and_size(outer)[0]
-        order = split.gather_order(outer_rank, inner_size).to(q.device)
+        order = split.gather_order(outer_rank, inner_size, q.device)
         q, k, v = (_reorder(_heads_to_sequence(t, inner), order) for t in (q, k, v))
         if self.comm_type == "a2a":
             out = full_attention(q, k, v, documents.whole if documents is not None else None)

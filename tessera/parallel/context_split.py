@@ -179,11 +179,13 @@ class ZigzagSplit:
 
         return self._memo(("coarsen", group), coarser)
 
-    def gather_order(self, outer_rank: int, group: int) -> torch.Tensor:
+    def gather_order(self, outer_rank: int, group: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """Indices that put the local tokens of ranks outer_rank x group ... + group - 1, laid
         side by side in rank order (what an all-to-all over them collects), into the local
-        order of `outer_rank` in `coarsen(group)`; int64 [rows, group x local_length]."""
-        return self._memo(("gather_order", outer_rank, group), lambda: self._gather_order(outer_rank, group))
+        order of `outer_rank` in `coarsen(group)`; int64 [rows, group x local_length] on `device`
+        (copied there once per split, not by every layer)."""
+        return self._memo(("gather_order", outer_rank, group, str(device)),
+                          lambda: self._gather_order(outer_rank, group).to(device))
 
     def _gather_order(self, outer_rank: int, group: int) -> torch.Tensor:
         members = [self.positions(outer_rank * group + i) for i in range(group)]

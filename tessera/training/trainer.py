@@ -46,6 +46,7 @@ from tessera.training.precision import LossScaler, autocast, autocast_dtype
 from tessera.training.schedules import LRSchedule
 from tessera.training.stragglers import StragglerTimer
 
+
 @dataclass
 class StepResult:
     """One iteration's outcome. Fields are 0-d device tensors until `resolve()`, so that a
