@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tessera.config import ModelConfig  # noqa: E402
+from tessera.inference.cuda_graphs import row_bucket  # noqa: E402
 from tessera.inference.engine import Engine  # noqa: E402
 from tessera.inference.sampling import SamplingParams  # noqa: E402
 from tessera.models.gpt import GPTModel, initialize_parameters  # noqa: E402
@@ -72,6 +73,23 @@ def timed_run(engine: Engine, batch: int, prompt: int, new: int, generator: torc
     elapsed = time.perf_counter() - start
     assert tokens == batch * new, (tokens, batch * new)
     return dict(elapsed=elapsed, first=first)
+
+
+def graph_ms(engine: Engine, batch: int, replays: int = 50) -> float | None:
+    """GPU time of one decode step: the widest CUDA graph captured for `batch` rows replayed
+    back to back (what the step would cost with no host work between steps)."""
+    graphs = engine.runner.graphs
+    keys = [key for key in (graphs.graphs if graphs else ()) if key[0] == row_bucket(batch)]
+    if not keys:
+        return None
+    graph, _ = graphs.graphs[max(keys)]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
 
 
 def profile_decode(engine: Engine, batch: int, prompt: int, generator: torch.Generator, steps: int = 16) -> str:
@@ -120,6 +138,7 @@ def main() -> None:
                           first_token_ms=round(run["first"] * 1e3, 2),
                           decode_tokens_per_s=round(batch * (args.new - 1) / (run["elapsed"] - run["first"]), 1),
                           warmup_s=round(warmup, 1), params=params,
+                          graph_ms=None if device.type != "cuda" else graph_ms(engine, batch),
                           peak_alloc_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2)
                           if device.type == "cuda" else None)
             print("RESULT " + json.dumps(record), flush=True)
@@ -130,10 +149,11 @@ def main() -> None:
                 if os.environ.get("OUT"):
                     Path(os.environ["OUT"], f"profile_{mode}_b{batch}.txt").write_text(table)
         del engine
-    print(f"\n{'row':<26} {'batch':>5} {'tokens/s':>10} {'ms/token':>9} {'first ms':>9} {'decode tok/s':>12}")
+    print(f"\n{'row':<26} {'batch':>5} {'tokens/s':>10} {'ms/token':>9} {'first ms':>9} {'decode tok/s':>12} "
+          f"{'graph ms':>9}")
     for r in records:
         print(f"{r['row']:<26} {r['batch']:>5} {r['tokens_per_s']:>10.1f} {r['ms_per_token']:>9.3f} "
-              f"{r['first_token_ms']:>9.2f} {r['decode_tokens_per_s']:>12.1f}")
+              f"{r['first_token_ms']:>9.2f} {r['decode_tokens_per_s']:>12.1f} {r['graph_ms'] or 0:>9.3f}")
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "generate.json").write_text(json.dumps(records, indent=2))
 

@@ -31,7 +31,7 @@ import torch
 from tessera.inference.kv_cache import PagedKVCache
 from tessera.inference.runner import ModelRunner
 from tessera.inference.sampling import Sampler, SamplingParams
-from tessera.inference.scheduler import Request, Scheduler
+from tessera.inference.scheduler import Request, ScheduledRow, Scheduler
 from tessera.models.gpt import GPTModel
 
 
@@ -70,19 +70,23 @@ class Engine:
     padding rows from sampling. On CUDA, decode steps replay CUDA graphs (`cuda_graphs`) of the
     decode step compiled with torch.compile (`compile`; the first step of each new batch
     shape captures its graph, and the first one compiles, tens of seconds for a 1B model).
+    When every running request decodes greedily (no penalties, no log-probs) and none waits,
+    up to `decode_steps` steps run back to back on the device (replays of one CUDA graph on
+    CUDA) and their tokens come in one output; a request that ends within them keeps its
+    tokens up to its end.
     """
 
     def __init__(self, model: GPTModel, *, max_requests: int = 64, max_seq_length: int | None = None,
                  block_size: int = 16, num_blocks: int | None = None, max_batched_tokens: int = 2048,
                  eos_token_ids: Sequence[int] = (), seed: int = 0, prefix_caching: bool = True,
                  cuda_graphs: bool = True, compile: bool = True, kv_memory_fraction: float = 0.8,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, decode_steps: int = 8):
         config = model.config
         limit = config.max_position_embeddings or config.seq_length
         self.max_seq_length = max_seq_length or limit
         for name, value, low in (("max_requests", max_requests, 1), ("block_size", block_size, 1),
-                                 ("max_batched_tokens", max_batched_tokens, 1), ("max_seq_length",
-                                                                                  self.max_seq_length, 1)):
+                                 ("max_batched_tokens", max_batched_tokens, 1), ("decode_steps", decode_steps, 1),
+                                 ("max_seq_length", self.max_seq_length, 1)):
             if value < low:
                 raise ValueError(f"{name} must be >= {low}, got {value}")
         if self.max_seq_length > limit:
@@ -105,7 +109,9 @@ class Engine:
         self.scheduler = Scheduler(self.cache.allocator, max_requests=max_requests,
                                    max_batched_tokens=max_batched_tokens)
         self.runner = ModelRunner(model, self.cache, self.vocab_size, max_rows=max_requests,
-                                  max_blocks=blocks_per_request, cuda_graphs=cuda_graphs, compile=compile)
+                                  max_blocks=blocks_per_request, cuda_graphs=cuda_graphs, compile=compile,
+                                  decode_steps=decode_steps)
+        self.decode_steps = decode_steps
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids)
         self._generator = torch.Generator().manual_seed(seed)
         self._requests: dict[str, Request] = {}
@@ -159,6 +165,9 @@ class Engine:
         rows = self.scheduler.schedule()
         if not rows:
             return outputs
+        steps = self._greedy_steps(rows)
+        if steps > 1:
+            return outputs + self._greedy_run(rows, steps)
         logits = self.runner.run(rows)
         self.scheduler.computed(rows)
         requests = [row.request for row in rows if row.samples]
@@ -166,18 +175,50 @@ class Engine:
             return outputs
         samples = self.sampler(logits, requests)
         for request, token, logprob, top in zip(requests, samples.token_ids, samples.logprobs, samples.top_logprobs):
-            request.output_token_ids.append(token)
             if logprob is not None:
                 request.logprobs.append(logprob)
                 request.top_logprobs.append(top)
-            reason = self._finish_reason(request, token)
-            if reason is not None:
-                request.finish_reason = reason
-                self.scheduler.finish(request)
-                del self._requests[request.request_id]
-            outputs.append(self._output(request, [token], None if logprob is None else [logprob],
-                                        None if logprob is None else [top], reason))
+            outputs.append(self._take(request, [token], None if logprob is None else [logprob],
+                                      None if logprob is None else [top]))
         return outputs
+
+    def _greedy_steps(self, rows: Sequence[ScheduledRow]) -> int:
+        """How many decode steps the rows can run on the GPU without the host (1: just this one).
+
+        Greedy rows without penalties or log-probs only (their next token is the argmax), none
+        waiting to be admitted, at most `decode_steps` and the fewest tokens any row has left;
+        the blocks for all of them reserved now."""
+        if self.decode_steps == 1 or self.scheduler.waiting:
+            return 1
+        for row in rows:
+            p, generated = row.request.params, len(row.request.output_token_ids)
+            if row.count != 1 or not p.greedy or p.logprobs is not None or p.repetition_penalty != 1 \
+                    or p.presence_penalty or p.frequency_penalty or generated < p.min_tokens:
+                return 1
+        steps = min(self.decode_steps, *(r.request.params.max_tokens - len(r.request.output_token_ids) for r in rows))
+        if steps <= 1 or not all(self.scheduler.reserve(r.request, r.start + steps) for r in rows):
+            return 1
+        return steps
+
+    def _greedy_run(self, rows: Sequence[ScheduledRow], steps: int) -> list[RequestOutput]:
+        """`steps` greedy decode steps of every row; each request keeps its tokens up to its end."""
+        outputs = []
+        for row, tokens in zip(rows, self.runner.greedy_steps(rows, steps)):
+            kept = next((n for n in range(1, steps + 1) if self._finish_reason(row.request, tokens[n - 1], n)),
+                        steps)
+            self.scheduler.computed([ScheduledRow(row.request, row.start, kept)])
+            outputs.append(self._take(row.request, tokens[:kept], None, None))
+        return outputs
+
+    def _take(self, request: Request, tokens: list[int], logprobs, top) -> RequestOutput:
+        """Append a request's new tokens (the last may end it) and make their output."""
+        reason = self._finish_reason(request, tokens[-1], len(tokens))
+        request.output_token_ids += tokens
+        if reason is not None:
+            request.finish_reason = reason
+            self.scheduler.finish(request)
+            del self._requests[request.request_id]
+        return self._output(request, tokens, logprobs, top, reason)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
         """Run `prompts` to completion (with any requests already queued, whose outputs are dropped)
@@ -197,12 +238,14 @@ class Engine:
                            r.top_logprobs if r.params.logprobs is not None else None, r.finish_reason)
                 for r in requests]
 
-    def _finish_reason(self, request: Request, token: int) -> str | None:
+    def _finish_reason(self, request: Request, token: int, new: int) -> str | None:
+        """Why `request` ends at `token`, its `new`-th token after those it has, if it does."""
         params = request.params
+        generated = len(request.output_token_ids) + new
         stops = params.stop_token_ids if params.ignore_eos else (*self.eos_token_ids, *params.stop_token_ids)
-        if token in stops and len(request.output_token_ids) >= params.min_tokens:
+        if token in stops and generated >= params.min_tokens:
             return "stop"
-        if len(request.output_token_ids) >= params.max_tokens:
+        if generated >= params.max_tokens:
             return "length"
         return None
 

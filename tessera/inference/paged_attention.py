@@ -10,9 +10,10 @@ Every layer's attention module computes q, k, v as in training and hands them to
 `LayerCache.attend` (in the slot where packed training samples pass their Documents):
 k and v go into the cache at the tokens' slots, then
 
-- decode rows attend, all together, to their contexts gathered from the pool by their
-  block tables (padded to the longest, the padding masked); the query heads of a KV group
-  are laid side by side as that group's queries, so no kernel needs a GQA mode;
+- decode rows attend, all together, to their contexts: on CUDA read in place through their
+  block tables (tessera.kernels.paged_decode); elsewhere gathered from the pool (padded to
+  the longest, the padding masked), the query heads of a KV group laid side by side as that
+  group's queries, so that SDPA needs no GQA mode;
 - fresh rows attend causally within themselves (tessera.models.documents: per-prompt SDPA,
   or FlashAttention's variable-length kernel on CUDA);
 - each continued row attends to its whole context with a causal mask aligned to the
@@ -35,6 +36,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from tessera.kernels import paged_decode
 from tessera.models.documents import Documents, default_backend
 
 
@@ -95,7 +97,7 @@ class LayerCache:
         return _attend_rows(self.step, q, lambda start, end: (k[:, :, start:end], v[:, :, start:end]),
                             lambda tables: (_gather(self.keys, tables, block_size).transpose(1, 2),
                                             _gather(self.values, tables, block_size).transpose(1, 2)),
-                            enable_gqa=enable_gqa, scale=scale)
+                            enable_gqa=enable_gqa, scale=scale, pools=(self.keys, self.values))
 
 
 class LatentLayerCache:
@@ -131,12 +133,21 @@ Context = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def _attend_rows(step: StepAttention, q: torch.Tensor, fresh_kv: Fresh, context_kv: Context, *,
-                 enable_gqa: bool, scale: float | None) -> torch.Tensor:
+                 enable_gqa: bool, scale: float | None,
+                 pools: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The step's row groups in turn: `fresh_kv(start, end)` gives the keys and values
     [1, kv heads, end - start, d] of the step's own tokens start..end-1, `context_kv(tables)`
-    those [rows, kv heads, blocks * block_size, d] of the cached blocks of block tables [rows, blocks]."""
+    those [rows, kv heads, blocks * block_size, d] of the cached blocks of block tables [rows, blocks].
+    With the (key, value) `pools` on a GPU, decode rows read them in place (tessera.kernels.paged_decode)."""
     outputs, start = [], 0
-    if step.decode_tables is not None:
+    if step.decode_tables is not None and pools is not None and paged_decode.available(q):
+        rows = step.decode_tables.shape[0]
+        out = paged_decode.paged_decode_attention(q[0, :, :rows].transpose(0, 1), *pools, step.decode_tables,
+                                                  step.decode_lengths, step.block_size,
+                                                  q.shape[-1] ** -0.5 if scale is None else scale)
+        outputs.append(out.transpose(0, 1)[None])
+        start = rows
+    elif step.decode_tables is not None:
         rows = step.decode_tables.shape[0]
         context = torch.arange(step.decode_tables.shape[1] * step.block_size, device=q.device)
         allowed = (context < step.decode_lengths[:, None])[:, None, :]          # [rows, 1, keys]
@@ -165,8 +176,6 @@ def _attend_cached(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, al
     `allowed` [rows, L, keys] -> [rows, heads, L, d_v]."""
     keys, values = keys[:, :, :allowed.shape[-1]], values[:, :, :allowed.shape[-1]]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if torch.compiler.is_compiling() and q.shape[0] == 1:   # compiled, one request: see _summed_attention
-        return _summed_attention(q, keys, values, allowed, scale)
     rows, heads, length, _ = q.shape
     groups = keys.shape[1]
     # The heads of a KV group become that group's queries: [rows, groups, heads/groups * L, d].
@@ -174,25 +183,6 @@ def _attend_cached(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, al
     mask = allowed[:, None].repeat(1, 1, heads // groups, 1)   # [rows, 1, heads/groups * L, keys]
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     return out.reshape(rows, heads, length, -1)
-
-
-def _summed_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,
-                      scale: float) -> torch.Tensor:
-    """The same attention written as products and sums (fp32), for the compiled decode step of
-    one request: inductor fuses the block-table gathers into its reductions (the gathered keys
-    and values are never written out) and the layer's attention takes 3 small kernels. Measured
-    on an H200, config B: at batch 1 8.9 us a layer against 13 us for SDPA and the copies around
-    it (batch 1: 641 tokens/s against 525); at batch 32 it is slower (42 us against 20, its
-    softmax-and-values kernel alone 28 us; 8.8k tokens/s against 11.9k), so batches use SDPA.
-    Eagerly this would materialise [rows, heads, L, keys, d]: not used there."""
-    rows, heads, length, dim = q.shape
-    groups = keys.shape[1]
-    q = q.reshape(rows, groups, heads // groups, length, 1, dim).float()
-    scores = (q * keys[:, :, None, None].float()).sum(-1) * scale            # [rows, groups, h/g, L, keys]
-    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
-    probs = scores.softmax(dim=-1)[..., None]
-    out = (probs * values[:, :, None, None].float()).sum(-2)                  # [rows, groups, h/g, L, d_v]
-    return out.reshape(rows, heads, length, -1).to(values.dtype)
 
 
 def _gather(pool: torch.Tensor, tables: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -6,7 +6,8 @@ step's tokens laid flat ([1, tokens]), with positions given explicitly and each 
 Only the last token of a row that finishes its prompt (or decodes) goes through the head.
 
 Steps where every row decodes one token run through `DecodeGraphs` on CUDA (CUDA graphs
-of the compiled decode step); the others run eagerly.
+of the compiled decode step; several greedy steps back to back where the engine asks);
+the others run eagerly.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Sequence
 
 import torch
 
+from tessera.inference import fused_decode
 from tessera.inference.cuda_graphs import DecodeGraphs
 from tessera.inference.kv_cache import NULL_BLOCK, PagedKVCache
 from tessera.inference.paged_attention import ContinuedRow, StepAttention
@@ -38,9 +40,12 @@ def forward_tokens(model: GPTModel, input_ids: torch.Tensor, positions: torch.Te
 
 
 def decode_logits(model: GPTModel, cache: PagedKVCache, input_ids: torch.Tensor, positions: torch.Tensor,
-                  tables: torch.Tensor) -> torch.Tensor:
-    """One new token per row: ids and positions [rows], block tables [rows, blocks] -> logits [rows, padded vocab]."""
+                  tables: torch.Tensor, *, fused: bool = False) -> torch.Tensor:
+    """One new token per row: ids and positions [rows], block tables [rows, blocks] -> logits [rows, padded vocab].
+    `fused`: a single row goes through tessera.inference.fused_decode (the model must be `supported` there)."""
     step = StepAttention.decode_only(cache.pools, cache.block_size, positions, tables)
+    if fused and input_ids.shape[0] == 1:
+        return fused_decode.decode_logits(model, input_ids, positions, step)
     return forward_tokens(model, input_ids[None], positions[None], step)
 
 
@@ -60,16 +65,17 @@ class ModelRunner:
     """Runs scheduled rows through the model and returns fp32 logits over the real vocabulary."""
 
     def __init__(self, model: GPTModel, cache: PagedKVCache, vocab_size: int, *, max_rows: int, max_blocks: int,
-                 cuda_graphs: bool, compile: bool):
+                 cuda_graphs: bool, compile: bool, decode_steps: int = 1):
         self.model, self.cache, self.vocab_size = model, cache, vocab_size
         parameter = next(model.parameters())
         self.device, self.dtype = parameter.device, parameter.dtype
+        self.fused = fused_decode.supported(model)   # single-row decode steps through fused kernels
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda":
             if graphs_supported(model, self.dtype):
                 self.graphs = DecodeGraphs(lambda ids, positions, tables: decode_logits(
-                    model, cache, ids, positions, tables), max_rows=max_rows, max_blocks=max_blocks,
-                    device=self.device, compile=compile)
+                    model, cache, ids, positions, tables, fused=self.fused), max_rows=max_rows, max_blocks=max_blocks,
+                    device=self.device, vocab_size=vocab_size, max_steps=decode_steps, compile=compile)
             else:
                 warnings.warn("decode runs without CUDA graphs: the MoE layers sync with the host "
                               "(use --moe-grouped-gemm and no expert parallelism)", stacklevel=2)
@@ -83,16 +89,38 @@ class ModelRunner:
             logits = self._mixed(rows)
         return logits[:, :self.vocab_size].float()
 
+    @torch.no_grad()
+    def greedy_steps(self, rows: Sequence[ScheduledRow], steps: int) -> list[list[int]]:
+        """Each decode row's next `steps` greedy tokens (their blocks reserved), read from the device once."""
+        ids, positions, tables = self._decode_inputs(rows)
+        if self.graphs is not None:
+            return self.graphs.greedy_steps(ids, positions, tables, steps)
+        ids, positions, tables = (torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
+                                  self._padded(tables))
+        tokens = []
+        for _ in range(steps):
+            ids = decode_logits(self.model, self.cache, ids, positions, tables,
+                                fused=self.fused)[:, :self.vocab_size].argmax(dim=-1)
+            positions = positions + 1
+            tokens.append(ids)
+        return torch.stack(tokens, dim=1).tolist()
+
+    @staticmethod
+    def _decode_inputs(rows: Sequence[ScheduledRow]) -> tuple[list[int], list[int], list[list[int]]]:
+        return ([row.request.token(row.start) for row in rows], [row.start for row in rows],
+                [row.request.blocks for row in rows])
+
     def _decode(self, rows: Sequence[ScheduledRow]) -> torch.Tensor:
-        ids = [row.request.token(row.start) for row in rows]
-        positions = [row.start for row in rows]
-        tables = [row.request.blocks for row in rows]
+        ids, positions, tables = self._decode_inputs(rows)
         if self.graphs is not None:
             return self.graphs(ids, positions, tables)
-        width = max(len(t) for t in tables)
-        padded = torch.tensor([t + [NULL_BLOCK] * (width - len(t)) for t in tables], device=self.device)
         return decode_logits(self.model, self.cache, torch.tensor(ids, device=self.device),
-                             torch.tensor(positions, device=self.device), padded)
+                             torch.tensor(positions, device=self.device), self._padded(tables), fused=self.fused)
+
+    def _padded(self, tables: Sequence[list[int]]) -> torch.Tensor:
+        """Block tables [rows, the longest], padded with the null block."""
+        width = max(len(t) for t in tables)
+        return torch.tensor([t + [NULL_BLOCK] * (width - len(t)) for t in tables], device=self.device)
 
     def _mixed(self, rows: Sequence[ScheduledRow]) -> torch.Tensor:
         """Any rows: decode rows first, then fresh prompts, then continued ones (paged_attention's layout)."""
@@ -112,9 +140,7 @@ class ModelRunner:
         to_device = lambda parts: torch.cat(parts).to(self.device)  # noqa: E731
         step = StepAttention(self.cache.pools, self.cache.block_size, to_device(slots))
         if decode:
-            width = max(len(r.request.blocks) for r in decode)
-            step.decode_tables = torch.tensor([r.request.blocks + [NULL_BLOCK] * (width - len(r.request.blocks))
-                                               for r in decode], device=self.device)
+            step.decode_tables = self._padded([r.request.blocks for r in decode])
             step.decode_lengths = torch.tensor([r.start + 1 for r in decode], device=self.device)
         step.fresh = StepAttention.fresh_documents([r.count for r in fresh], self.device, self.dtype)
         step.continued = [ContinuedRow(r.count, r.start + r.count,

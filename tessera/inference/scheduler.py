@@ -90,7 +90,7 @@ class Scheduler:
             if id(request) in preempted:   # for an earlier one
                 continue
             count = min(request.num_tokens - request.computed, budget)
-            while not self._reserve(request, request.computed + count):
+            while not self.reserve(request, request.computed + count):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.add(id(victim))
@@ -103,7 +103,7 @@ class Scheduler:
             request = self.waiting[0]   # nothing computed: preempted and refused requests gave all back
             self._reuse_cached_prefix(request)
             count = min(request.num_tokens - request.computed, budget)
-            if not self._reserve(request, request.computed + count):
+            if not self.reserve(request, request.computed + count):
                 self._release(request)   # gives back the cached prefix too, until it fits
                 break
             self.waiting.popleft()
@@ -137,7 +137,8 @@ class Scheduler:
     def blocks_needed(self, tokens: int) -> int:
         return math.ceil(tokens / self.block_size)
 
-    def _reserve(self, request: Request, tokens: int) -> bool:
+    def reserve(self, request: Request, tokens: int) -> bool:
+        """Blocks for `request`'s first `tokens` tokens, if they are free (nothing taken otherwise)."""
         missing = self.blocks_needed(tokens) - len(request.blocks)
         if missing <= 0:
             return True

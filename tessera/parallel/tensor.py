@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from tessera.kernels.gemv import linear
 from tessera.parallel.collectives import all_gather_flat, reduce_scatter_flat
 from tessera.parallel.sharding import ShardSpec, annotate, rank_and_size, sum_replica_grads
 
@@ -123,7 +124,7 @@ reduce_scatter_tokens = _conjugate(_first(_reduce_scatter), _first(_all_gather))
 # -- layers ----------------------------------------------------------------------------
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp_group, *,
-                           sequence_parallel: bool = False, matmul=F.linear) -> torch.Tensor:
+                           sequence_parallel: bool = False, matmul=linear) -> torch.Tensor:
     """x W^T + b for a row-sharded W: the input enters the TP region (all-gathered along the
     sequence under sequence parallelism), each rank computes its output features."""
     x = gather_from_sequence_region(x, tp_group) if sequence_parallel else copy_to_tp_region(x, tp_group)
@@ -153,13 +154,13 @@ class ColumnParallelLinear(nn.Module):
             self.bias = annotate(nn.Parameter(torch.empty(local_out)), self.bias_spec)
         else:
             self.register_parameter("bias", None)
-        self.fp8 = None   # an Fp8Linear when training in FP8 (tessera.training.fp8): the GEMM in place of F.linear
+        self.fp8 = None   # an Fp8Linear when training in FP8 (tessera.training.fp8): the GEMM in place of `linear`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = sum_replica_grads(self.weight, self.weight_spec, self.tp_group)
         bias = None if self.bias is None else sum_replica_grads(self.bias, self.bias_spec, self.tp_group)
         y = column_parallel_linear(x, weight, bias, self.tp_group, sequence_parallel=self.sequence_parallel,
-                                   matmul=self.fp8 or F.linear)
+                                   matmul=self.fp8 or linear)
         return gather_from_tp_region(y, self.tp_group) if self.gather_output else y
 
 
@@ -195,7 +196,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp_group)
-        y = (self.fp8 or F.linear)(x, self.weight)
+        y = (self.fp8 or linear)(x, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_region(y, self.tp_group)
         else:

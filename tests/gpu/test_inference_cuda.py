@@ -55,7 +55,7 @@ def test_bf16_graph_logits_follow_the_eager_decode_step():
         model = GPTModel(ModelConfig(**CONFIG))
     initialize_parameters(model, seed=3)
     model.to(torch.bfloat16)
-    engine = Engine(model, max_requests=8, block_size=16)
+    engine = Engine(model, max_requests=8, block_size=16, decode_steps=1)   # one step per engine.step()
     generator = torch.Generator().manual_seed(1)
     for i, n in enumerate((9, 33, 70)):
         engine.add_request(str(i), torch.randint(0, 512, (n,), generator=generator).tolist(),

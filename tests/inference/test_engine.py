@@ -75,7 +75,7 @@ SAMPLED = [SamplingParams(max_tokens=n, temperature=1.0, top_p=0.9, seed=i, igno
 ], ids=["paged", "chunked", "queued"])
 def test_cached_logits_equal_full_recompute(options):
     model = tiny_model()
-    engine = Engine(model, prefix_caching=False, **options)
+    engine = Engine(model, prefix_caching=False, decode_steps=1, **options)   # every token through the sampler
     check_against_full_recompute(model, engine, prompts(), GREEDY)
 
 
@@ -102,13 +102,17 @@ def test_prefix_caching_reuses_blocks_and_changes_nothing():
         [c.token_ids for c in cached.generate(with_prefix, SAMPLED)]
 
 
-def test_outputs_stream_one_token_per_step_and_finish_for_their_reasons():
+@pytest.mark.parametrize("decode_steps", [1, 8])
+def test_outputs_stream_and_finish_for_their_reasons(decode_steps):
+    """One token per output when each step goes through the host; with greedy steps run back to
+    back the same tokens in bursts, each request cut at its own end (EOS, stop token, length)."""
     model = tiny_model()
     prompt = prompts([6])[0]
-    reference = Engine(model).generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0].token_ids
+    reference = Engine(model, decode_steps=1).generate([prompt], SamplingParams(max_tokens=12, temperature=0))
+    reference = reference[0].token_ids
     eos = reference[4]
     first = reference.index(eos)
-    engine = Engine(model, eos_token_ids=[eos])
+    engine = Engine(model, eos_token_ids=[eos], decode_steps=decode_steps)
     engine.add_request("eos", prompt, SamplingParams(max_tokens=12, temperature=0))
     engine.add_request("ignore", prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     engine.add_request("stop", prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
@@ -118,7 +122,7 @@ def test_outputs_stream_one_token_per_step_and_finish_for_their_reasons():
     finished = {}
     while engine.has_unfinished_requests():
         for output in engine.step():
-            assert len(output.token_ids) == 1 and output.prompt_tokens == 6
+            assert (len(output.token_ids) == 1 or decode_steps > 1) and output.prompt_tokens == 6
             streams[output.request_id] += output.token_ids
             assert output.completion_tokens == len(streams[output.request_id])
             if output.finished:
@@ -127,6 +131,40 @@ def test_outputs_stream_one_token_per_step_and_finish_for_their_reasons():
     assert streams["ignore"] == reference and finished["ignore"] == "length"
     assert streams["stop"] == reference[:reference.index(reference[2]) + 1] and finished["stop"] == "stop"
     assert len(streams["min"]) >= first + 2 and eos not in streams["min"][:first + 1]
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-deepseek"])
+def test_greedy_steps_back_to_back_give_the_tokens_of_single_steps(preset):
+    """Bursts of up to 5 greedy steps between two looks of the host: the same tokens as one step
+    at a time, through block boundaries (blocks of 4), requests ending at different steps, a
+    cache small enough that a burst's blocks are sometimes refused (and requests preempted),
+    and prefix-cache names given to the blocks a burst filled (a second round finds them)."""
+    model = tiny_model(preset)
+    prompt_list = prompts((5, 30, 1, 17, 9, 12))
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (30, 8, 25, 6, 11, 3)]
+    expected = [c.token_ids for c in Engine(model, block_size=4, decode_steps=1).generate(prompt_list, params)]
+    engine = Engine(model, block_size=4, num_blocks=24, max_batched_tokens=16, decode_steps=5)
+    steps = []
+    engine.runner.greedy_steps = lambda rows, n, run=engine.runner.greedy_steps: steps.append(n) or run(rows, n)
+    assert [c.token_ids for c in engine.generate(prompt_list, params)] == expected
+    assert steps and max(steps) == 5 and engine.scheduler.preemptions > 0
+    cached = engine.scheduler.cached_tokens
+    assert [c.token_ids for c in engine.generate(prompt_list, params)] == expected
+    assert engine.scheduler.cached_tokens > cached
+
+
+def test_requests_with_log_probs_penalties_or_a_queue_step_one_at_a_time():
+    model = tiny_model()
+    engine = Engine(model, max_requests=1, decode_steps=8)
+    steps = []
+    engine.runner.greedy_steps = lambda rows, n, run=engine.runner.greedy_steps: steps.append(n) or run(rows, n)
+    for params in (SamplingParams(max_tokens=6, temperature=0, logprobs=0),
+                   SamplingParams(max_tokens=6, temperature=0, repetition_penalty=1.2),
+                   SamplingParams(max_tokens=6, temperature=0.7, seed=1)):
+        engine.generate(prompts([4]), params)
+    assert steps == []
+    engine.generate(prompts([4, 7]), SamplingParams(max_tokens=6, temperature=0))   # the second waits for the first
+    assert steps == [5]   # the second request, alone after the first finished: its 6 - 1 tokens after the prefill
 
 
 def test_aborted_requests_finish_at_the_next_step_and_free_their_blocks():
