@@ -178,8 +178,9 @@ class Engine:
             if logprob is not None:
                 request.logprobs.append(logprob)
                 request.top_logprobs.append(top)
-            outputs.append(self._take(request, [token], None if logprob is None else [logprob],
-                                      None if logprob is None else [top]))
+            reason = self._append(request, [token])
+            outputs.append(self._end(request, reason, [token], None if logprob is None else [logprob],
+                                     None if logprob is None else [top]))
         return outputs
 
     def _greedy_steps(self, rows: Sequence[ScheduledRow]) -> int:
@@ -206,14 +207,19 @@ class Engine:
         for row, tokens in zip(rows, self.runner.greedy_steps(rows, steps)):
             kept = next((n for n in range(1, steps + 1) if self._finish_reason(row.request, tokens[n - 1], n)),
                         steps)
-            self.scheduler.computed([ScheduledRow(row.request, row.start, kept)])
-            outputs.append(self._take(row.request, tokens[:kept], None, None))
+            reason = self._append(row.request, tokens[:kept])
+            self.scheduler.computed([ScheduledRow(row.request, row.start, kept)])   # names the blocks it filled
+            outputs.append(self._end(row.request, reason, tokens[:kept], None, None))
         return outputs
 
-    def _take(self, request: Request, tokens: list[int], logprobs, top) -> RequestOutput:
-        """Append a request's new tokens (the last may end it) and make their output."""
+    def _append(self, request: Request, tokens: list[int]) -> str | None:
+        """Give a request its new tokens; why the last one ends it, if it does."""
         reason = self._finish_reason(request, tokens[-1], len(tokens))
         request.output_token_ids += tokens
+        return reason
+
+    def _end(self, request: Request, reason: str | None, tokens: list[int], logprobs, top) -> RequestOutput:
+        """The output of a request's new tokens; the request is finished if `reason`."""
         if reason is not None:
             request.finish_reason = reason
             self.scheduler.finish(request)

@@ -22,7 +22,7 @@ replays for any lengths up to it.
 tessera.inference.fused_decode): the fused QKV projection's output of one token, its query
 and key heads rotated (RoPE, rotate-half, over the first `cos.numel()` channels), the query
 returned and the key and value written into their pool slot, in one kernel instead of the
-rotation, the slot arithmetic and the two scatters.
+rotation and the two scatters.
 """
 
 from __future__ import annotations
