@@ -16,15 +16,14 @@ predicts exactly the layout given, with `tessera train`'s defaults for the rest
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 
 from tessera.cli.args import build_parser, fail, resolve
-from tessera.config import SECTIONS, ConfigError, ModelConfig, flag
+from tessera.config import SECTIONS, ConfigError, ModelConfig
 from tessera.perf.cluster import CLUSTERS, lookup_cluster
 from tessera.cli.flops import parameter_summary
 from tessera.perf.kernels import load_curves
-from tessera.perf.layout import Layout, check_layout
+from tessera.perf.layout import FP8_FIELDS, Layout, check_layout
 from tessera.perf.memory import GIB, usable_bytes
 from tessera.perf.search import SearchSpace, search
 from tessera.perf.simulator import Prediction, predict
@@ -50,18 +49,6 @@ def _extra(parser: argparse.ArgumentParser) -> None:
                        help="reproduce Megatron's published H100 weak/strong scaling and Mixtral 8x7B point, "
                             "and print the error tables")
     group.add_argument("--figures", metavar="DIR", help="with --published: write the scaling figures (PNG) here")
-    # Layout flags of Megatron that tessera's config may not have yet; added here only
-    # while config.py lacks them, so the planner keeps working as they move there.
-    layout = parser.add_argument_group("layout flags not (yet) in tessera train")
-    for name, kwargs in _LAYOUT_FLAGS.items():
-        if name not in _CONFIG_FIELDS:
-            layout.add_argument(flag(name), dest=name, **kwargs)
-
-
-_CONFIG_FIELDS = {f.name for section in SECTIONS.values() for f in dataclasses.fields(section)}
-_LAYOUT_FLAGS = {
-    "tp_comm_overlap": dict(action="store_true", help="overlap TP collectives with GEMMs (TE userbuffers)"),
-}
 
 
 def _setting(values: dict, args: argparse.Namespace, name: str, default=None):
@@ -100,8 +87,13 @@ def _fixed_layout(values: dict, args: argparse.Namespace, model: ModelConfig) ->
                     overlap_param_gather=bool(_setting(values, args, "overlap_param_gather")),
                     tp_comm_overlap=bool(_setting(values, args, "tp_comm_overlap")),
                     compiled=_setting(values, args, "compile") is not False,  # tessera compiles on GPUs
-                    framework="tessera")
+                    framework="tessera", **_fp8(values, args))
     return layout, _setting(values, args, "global_batch_size", mbs * dp)
+
+
+def _fp8(values: dict, args: argparse.Namespace) -> dict:
+    """tessera train's FP8 flags as given (its defaults otherwise), as Layout fields."""
+    return {name: _setting(values, args, name, getattr(Layout, name)) for name in FP8_FIELDS}
 
 
 def _virtual_stages(values: dict, args: argparse.Namespace, model: ModelConfig, pp: int) -> int | None:
@@ -131,9 +123,10 @@ def _space(values: dict, args: argparse.Namespace, model: ModelConfig) -> Search
                        micro_batch_size=given("micro_batch_size"), recompute=given("recompute_granularity"),
                        first_stage_layers=_setting(values, args, "decoder_first_pipeline_num_layers"),
                        last_stage_layers=_setting(values, args, "decoder_last_pipeline_num_layers"),
-                       # tessera's own runs: compiled blocks, TP communication not overlapped
+                       # tessera's own runs: compiled blocks
                        tp_comm_overlap=bool(_setting(values, args, "tp_comm_overlap")),
-                       compiled=_setting(values, args, "compile") is not False, framework="tessera")
+                       compiled=_setting(values, args, "compile") is not False, framework="tessera",
+                       fp8=_fp8(values, args))
 
 
 def as_dict(prediction: Prediction, model: ModelConfig, capacity: float) -> dict:
@@ -148,6 +141,16 @@ def as_dict(prediction: Prediction, model: ModelConfig, capacity: float) -> dict
         "expert_state_gib": prediction.memory.expert_state / GIB,
         "time_s": dict(prediction.breakdown),
     }
+
+
+def _precision(layout: Layout, model: ModelConfig) -> str:
+    """What runs in FP8, for the table's header."""
+    if layout.fp8_format is None:
+        return "precision: bf16"
+    fp8 = sum(layout.fp8_layers(model.num_layers))
+    wgrad = ", weight gradients in bf16" if layout.no_fp8_wgrad else ""
+    return (f"precision: FP8 {layout.fp8_format} {layout.fp8_recipe} GEMMs in the linears of {fp8} of "
+            f"{model.num_layers} layers{wgrad}; attention, norms, the rest of the layers and the output layer in bf16")
 
 
 def _print_breakdown(prediction: Prediction, capacity: float) -> None:
@@ -220,6 +223,7 @@ def main(argv: list[str]) -> int:
         return 0
     print(f"{parameter_summary(model)}; global batch {batch} x seq {model.seq_length}")
     print(f"{cluster.name}; kernel curves: {curves.source}")
+    print(_precision(results[0].layout, model))
     width = max(38, *(len(p.layout.describe()) for p in results))
     print(f"{'layout':<{width}} {'MFU':>6} {'TFLOP/s':>8} {'step s':>8} {'tokens/s':>11} {'GiB/GPU':>8}")
     for p in results:

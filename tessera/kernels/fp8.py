@@ -2,9 +2,10 @@
 
 A linear layer's three GEMMs run in FP8: forward y = x W^T with x and W in E4M3, dgrad
 dx = dy W and wgrad dW = dy^T x with dy in E5M2 ("hybrid") or E4M3. Each operand has one
-fp32 scale; FP8 = saturate(value x scale) and _scaled_mm takes the inverse scales. FP8
-copies of x and W (not bf16 ones) are saved for the backward, which is where most of FP8's
-memory saving comes from.
+fp32 scale; FP8 = saturate(value x scale) and _scaled_mm takes the inverse scales. The
+backward keeps the bf16 x and W (see _Fp8Matmul); FP8's memory saving on a compiled block
+comes from inductor recomputing the norms' outputs and fc2's input in the backward instead
+of keeping them (counted with saved-tensor hooks: 2 s b (2 h + f) bytes a layer less).
 
 Scales: `tensorwise` (current scaling) takes each tensor's scale from its own amax, now;
 `delayed` takes it from the amax history of earlier steps (TE's DelayedScaling), and records

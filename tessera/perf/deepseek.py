@@ -25,11 +25,12 @@ if TYPE_CHECKING:
     from tessera.perf.simulator import Phase, StepModel
 
 
-def latent_attention(steps: "StepModel", layout: Layout, tokens: float, fwd: "Phase", bwd: "Phase"
+def latent_attention(steps: "StepModel", layout: Layout, tokens: float, fwd: "Phase", bwd: "Phase", linear
                      ) -> tuple[list, list, float]:
     """Add the replicated down projections to the phases; return the (column, row) parallel GEMM
-    pair, the bytes of its input and output collectives, and the memory-bound bytes per token
-    (before the division by TP the simulator applies)."""
+    pair (timed by `linear`, the layer's tensor-parallel GEMM: bf16 or FP8), the bytes of its input
+    and output collectives, and the memory-bound bytes per token (before the division by TP the
+    simulator applies)."""
     model, t = steps.model, layout.tp
     h, n = model.hidden_size, model.num_attention_heads
     qk, pos, v = model.qk_head_dim, model.qk_pos_emb_head_dim, model.v_head_dim
@@ -38,12 +39,12 @@ def latent_attention(steps: "StepModel", layout: Layout, tokens: float, fwd: "Ph
     down = [steps.gemm(shard, kv_rank + pos, h)] + ([steps.gemm(shard, q_rank, h)] if q_rank else [])
     fwd.add("gemm", sum(gemm[0] for gemm in down))
     bwd.add("gemm", sum(gemm[1] + gemm[2] for gemm in down))
-    query = steps.gemm(tokens, n * (qk + pos) / t, q_rank or h)
-    column = tuple(a + b for a, b in zip(query, steps.gemm(tokens, n * (qk + v) / t, kv_rank)))
+    query = linear(tokens, n * (qk + pos) / t, q_rank or h)
+    column = tuple(a + b for a, b in zip(query, linear(tokens, n * (qk + v) / t, kv_rank)))
     gathered = tokens * 2 * ((q_rank or h) + kv_rank + pos)
     latent_norms = 10 * ((q_rank or 0) + kv_rank) * shard / tokens * t   # on this rank's tokens, whole
     memory_bound = 4 * (n + 1) * pos + 8 * n * (qk + pos) + latent_norms
-    return [(column, steps.gemm(tokens, h, n * v / t))], [(gathered, tokens * h * 2)], memory_bound
+    return [(column, linear(tokens, h, n * v / t))], [(gathered, tokens * h * 2)], memory_bound
 
 
 def add_mtp_depths(steps: "StepModel", layout: Layout, fwd: "Phase", bwd: "Phase") -> None:

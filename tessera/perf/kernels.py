@@ -13,6 +13,9 @@ Three curves, each with one or two physical parameters:
   With dropout it also draws a random number per score, which costs extra time.
 - Memory-bound ops (norms, activations, residuals, optimizer): bytes / (HBM x efficiency).
 
+FP8 GEMMs use the GEMM curve at the FP8 peak, e_max scaled per recipe by measured rates
+(FP8_GEMM_EFFICIENCY; tessera.perf.fp8 adds their quantisation passes).
+
 A grouped GEMM (MoE experts, one group per local expert) runs every group's tiles in one
 launch, so its waves are counted over all of them; each group keeps its own short-k
 cost. That it reaches the dense curve otherwise is an estimate (not measured here).
@@ -117,6 +120,25 @@ def fit_curves(measurement: dict, base: KernelCurves = PROVISIONAL) -> KernelCur
     if "hbm_gb_per_s" in measurement and "hbm_datasheet_gb_per_s" in measurement:
         fitted = replace(fitted, hbm_efficiency=measurement["hbm_gb_per_s"] / measurement["hbm_datasheet_gb_per_s"])
     return fitted
+
+
+# FP8 GEMMs (tessera.kernels.fp8, fp8_blockwise) against bf16, measured in one H200 call at
+# 8192^3 (torch 2.11, shared/reference/cp-fp8.md D.3), TFLOP/s: bf16 798; torch._scaled_mm
+# tensorwise 1509 with fast accumulation (tessera's forward GEMM), 1465 without (its dgrad and
+# wgrad, as TE's); F.scaled_mm blockwise 1x128 x 128x128 1314 (split accumulation always). An FP8
+# GEMM runs on the bf16 curve's tiles and waves (an assumption: not swept over shapes) at the FP8
+# peak, with e_max scaled by its rate's share of the FP8 peak over bf16's share of the bf16 one:
+# (forward, backward) factors per --fp8-recipe (delayed scaling runs tensorwise's GEMMs).
+_BF16_SHARE = 798 / 989
+_TENSORWISE = (1509 / 1979 / _BF16_SHARE, 1465 / 1979 / _BF16_SHARE)
+FP8_GEMM_EFFICIENCY = {"tensorwise": _TENSORWISE, "delayed": _TENSORWISE,
+                       "blockwise": (1314 / 1979 / _BF16_SHARE,) * 2}
+
+
+def fp8_curves(curves: KernelCurves, recipe: str) -> tuple[KernelCurves, KernelCurves]:
+    """The GEMM curves of FP8 forward and backward (dgrad, wgrad) GEMMs under `recipe`, to be used at the FP8 peak."""
+    return tuple(replace(curves, gemm_max=curves.gemm_max * factor, source=f"{curves.source}, FP8 {recipe}")
+                 for factor in FP8_GEMM_EFFICIENCY[recipe])
 
 
 # The H100 SXM is the H200's chip at the same 700 W: equal datasheet rates, but lower

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tessera.config import ModelConfig
+from tessera.config import ModelConfig, TrainConfig
 from tessera.config.fields import require
 from tessera.config.parallel import CP_COMM_TYPES
 from tessera.config.moe import check_expert_layout
@@ -17,6 +17,9 @@ from tessera.parallel.pipeline_schedules import stage_layer_ranges
 
 RECOMPUTE = ("none", "selective", "full")
 DISPATCHERS = ("allgather", "alltoall")
+# `tessera train`'s FP8 settings (tessera.config.training), which Layout carries under the same names.
+FP8_FIELDS = ("fp8_format", "fp8_recipe", "first_last_layers_bf16", "num_layers_at_start_in_bf16",
+              "num_layers_at_end_in_bf16", "no_fp8_wgrad")
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,13 @@ class Layout:
     tp_comm_overlap: bool = False     # --tp-comm-overlap
     compiled: bool = False            # --compile: torch.compile per block (tessera's default on GPUs)
     framework: str = "megatron"       # whose trainer: "megatron" (Megatron-Core's precision and layouts) or "tessera"
+    # FP8 GEMMs in the transformer layers' linears (tessera.training.fp8); the defaults are tessera train's.
+    fp8_format: str | None = None     # --fp8-format (None: bf16)
+    fp8_recipe: str = TrainConfig.fp8_recipe                             # --fp8-recipe
+    first_last_layers_bf16: bool = False                                 # --first-last-layers-bf16
+    num_layers_at_start_in_bf16: int = TrainConfig.num_layers_at_start_in_bf16   # --num-layers-at-start-in-bf16
+    num_layers_at_end_in_bf16: int = TrainConfig.num_layers_at_end_in_bf16       # --num-layers-at-end-in-bf16
+    no_fp8_wgrad: bool = False                                           # --no-fp8-wgrad
 
     @property
     def gpus(self) -> int:
@@ -87,6 +97,15 @@ class Layout:
     def layers_per_rank(self, num_layers: int) -> list[int]:
         return [len(layers) for layers in self.rank_layers(num_layers)]
 
+    def fp8_layers(self, num_layers: int) -> list[bool]:
+        """Whether each layer's linears run in FP8: all but the first and last few that
+        --first-last-layers-bf16 keeps in bf16 (the blocks tessera.training.fp8.bf16_layers names)."""
+        if self.fp8_format is None:
+            return [False] * num_layers
+        start, end = (self.num_layers_at_start_in_bf16, self.num_layers_at_end_in_bf16) \
+            if self.first_last_layers_bf16 else (0, 0)
+        return [start <= layer < num_layers - end for layer in range(num_layers)]
+
     def describe(self) -> str:
         parts = [f"TP{self.tp}", f"PP{self.pp}"]
         if self.virtual_stages > 1:
@@ -113,6 +132,8 @@ class Layout:
             parts.append("distopt")
         if self.recompute != "none":
             parts.append(f"recompute-{self.recompute}")
+        if self.fp8_format:
+            parts.append(f"FP8-{self.fp8_recipe}")
         return " ".join(parts)
 
     def flags(self, moe: bool = True) -> list[str]:
@@ -149,6 +170,13 @@ class Layout:
             flags.append("--overlap-grad-reduce")
         if self.overlap_param_gather and self.distributed_optimizer and self.dp > 1:
             flags.append("--overlap-param-gather")
+        if self.fp8_format:   # FP8 GEMMs read and return bf16
+            flags += ["--bf16", "--fp8-format", self.fp8_format, "--fp8-recipe", self.fp8_recipe]
+        if self.fp8_format and self.first_last_layers_bf16:
+            flags += ["--first-last-layers-bf16", "--num-layers-at-start-in-bf16", str(self.num_layers_at_start_in_bf16),
+                      "--num-layers-at-end-in-bf16", str(self.num_layers_at_end_in_bf16)]
+        if self.fp8_format and self.no_fp8_wgrad:
+            flags.append("--no-fp8-wgrad")
         return flags
 
 
@@ -176,6 +204,8 @@ def check_layout(model: ModelConfig, layout: Layout, global_batch_size: int, seq
             f"--global-batch-size ({global_batch_size}) must be divisible by --micro-batch-size "
             f"({layout.micro_batch_size}) x data-parallel size ({layout.dp}) = {per_step}")
     _check_experts(model, layout)
+    if layout.fp8_format is not None:   # tessera train's own FP8 checks, in its words
+        TrainConfig(train_iters=1, bf16=True, **{name: getattr(layout, name) for name in FP8_FIELDS})
     if vp > 1:
         micro_batches = layout.num_micro_batches(global_batch_size)
         require(micro_batches % pp == 0,

@@ -33,7 +33,10 @@ tests/perf/test_memory.py) do: the residual stream is fp32 when the weights are 
 inputs 4 bytes); a compiled block saves only the first norm's input but also copies the
 fused kernel's output into the projection's input (both saved); RoPE's rotated Q and K are
 saved beside the QKV output (which V, a view of it, keeps alive); and under SP the QKV and
-fc1 inputs are saved all-gathered.
+fc1 inputs are saved all-gathered. A layer with FP8 linears (tessera.kernels.fp8) saves their
+bf16 inputs too, but a compiled one rebuilds the norms' outputs and fc2's input in backward
+(counted with saved-tensor hooks, tests/perf/test_fp8_plan.py): 2sb(2h + f) less per layer
+(2sbf under SP, whose gathered inputs stay).
 
 Multi-latent attention replaces the QKV terms by its own (`mla_saved_elements`): the down
 projections' input and the latents (sharded only by SP), the up projections' gathered
@@ -97,9 +100,9 @@ class MemoryBreakdown:
 
 
 def layer_activation_bytes(model: ModelConfig, layout: Layout, seq_length: int,
-                           fused_attention: bool = True, moe: bool = False) -> float:
-    """Activations one transformer layer (a MoE layer if `moe`) saves for backward, for one
-    micro-batch on one GPU."""
+                           fused_attention: bool = True, moe: bool = False, fp8: bool = False) -> float:
+    """Activations one transformer layer (a MoE layer if `moe`, with FP8 linears if `fp8`) saves
+    for backward, for one micro-batch on one GPU."""
     s, b = seq_length / layout.cp, layout.micro_batch_size
     h, a = model.hidden_size, model.num_attention_heads
     # A MoE layer's dense MLP is its shared expert, if it has one; the routed experts come on top.
@@ -109,14 +112,19 @@ def layer_activation_bytes(model: ModelConfig, layout: Layout, seq_length: int,
     t = layout.tp
     sp = t if layout.sequence_parallel else 1
     tessera = layout.framework == "tessera"
-    residual = _residual_bytes(layout)
+    residual = residual_bytes(layout)
     if layout.recompute == "full":
         return residual * s * b * h / sp
     norm_inputs = (1 if tessera and layout.compiled else 2) * residual * s * b * h
     masks = 2 * s * b * h if model.hidden_dropout > 0 else 0.0
-    gemm_inputs = 2 * s * b * h if f else 0.0   # fc1's
+    # tessera's FP8 linears save their bf16 inputs (tessera.kernels.fp8), and a compiled block then
+    # rebuilds fc2's (the activation's output) and the norms' outputs (QKV's and fc1's inputs) in
+    # backward rather than keeping them. Under SP those two are all-gathered, which it cannot redo.
+    rebuilds = fp8 and tessera and layout.compiled
+    rebuilds_norms = rebuilds and not layout.sequence_parallel
+    gemm_inputs = 2 * s * b * h if f and not rebuilds_norms else 0.0   # fc1's
     gated = 2 if model.swiglu else 1
-    tensor_sharded = 2 * s * b * f * gated + 2 * s * b * f
+    tensor_sharded = 2 * s * b * f * gated + (0.0 if rebuilds else 2 * s * b * f)
     if model.multi_latent_attention:
         replicated, gathered, sharded = mla_saved_elements(model, layout)
         norm_inputs += replicated * s * b
@@ -124,7 +132,7 @@ def layer_activation_bytes(model: ModelConfig, layout: Layout, seq_length: int,
         tensor_sharded += sharded * s * b
         q = model.num_attention_heads * model.v_head_dim   # the attention output's width
     else:
-        gemm_inputs += 2 * s * b * h   # QKV's
+        gemm_inputs += 0.0 if rebuilds_norms else 2 * s * b * h   # QKV's
         tensor_sharded += 2 * s * b * (q + 2 * kv) + 2 * s * b * q
         if tessera and model.position_embedding_type == "rope":
             tensor_sharded += 2 * s * b * (q + kv)   # rotated Q and K, beside the QKV output that V is a view of
@@ -159,7 +167,7 @@ def mla_saved_elements(model: ModelConfig, layout: Layout) -> tuple[float, float
     qk, pos, v = model.qk_head_dim, model.qk_pos_emb_head_dim, model.v_head_dim
     q_rank, kv_rank = model.q_lora_rank or 0, model.kv_lora_rank
     tessera = layout.framework == "tessera"
-    casts = tessera and _residual_bytes(layout) == 4   # fp32 weights: each linear casts its input
+    casts = tessera and residual_bytes(layout) == 4   # fp32 weights: each linear casts its input
     replicated = 2 * h * (2 if casts and q_rank else 1) + 2 * q_rank + 2 * (kv_rank + pos)
     gathered = 2 * q_rank + 2 * kv_rank
     if not q_rank and tessera and (casts or layout.sequence_parallel):
@@ -178,7 +186,7 @@ def mtp_depth_activation_bytes(model: ModelConfig, layout: Layout, seq_length: i
     if layout.recompute == "full":
         return layer
     projection = 2 * 2 * s * b * h / (1 if layout.framework == "tessera" else sp)
-    return layer + 3 * _residual_bytes(layout) * s * b * h / sp + projection
+    return layer + 3 * residual_bytes(layout) * s * b * h / sp + projection
 
 
 def routed_expert_bytes(model: ModelConfig, layout: Layout, tokens: float) -> float:
@@ -211,8 +219,8 @@ def dispatch_buffer_bytes(model: ModelConfig, layout: Layout, seq_length: int) -
     return 2 * 2.0 * layout.expert_tp * tokens * model.moe_router_topk * model.hidden_size
 
 
-def _residual_bytes(layout: Layout) -> int:
-    """Bytes per element of the residual stream: bf16, except in tessera's fp32-weight runs."""
+def residual_bytes(layout: Layout) -> int:
+    """Bytes per element of the residual stream and the weights: bf16, except in tessera's fp32-weight runs."""
     return 4 if layout.framework == "tessera" and not (layout.distributed_optimizer or layout.fsdp) else 2
 
 
@@ -294,14 +302,16 @@ def _stage_memory(model: ModelConfig, layout: Layout, global_batch_size: int, se
         buffers += 2 * 6.0 * largest
 
     s, b, h = seq_length / layout.cp, layout.micro_batch_size, model.hidden_size
-    per_kind = {kind: layer_activation_bytes(model, layout, seq_length, moe=kind) for kind in set(moe)}
+    kinds = list(zip(moe, layout.fp8_layers(model.num_layers)))   # (MoE, FP8) of each layer
+    per_kind = {kind: layer_activation_bytes(model, layout, seq_length, moe=kind[0], fp8=kind[1])
+                for kind in set(kinds)}
     chunks = chunks_in_flight(layout, num_micro_batches, pp_rank)
     # Chunks in flight, each a 1/v share of the rank's layers (alike when MoE layers are spread evenly).
-    activations = chunks * sum(per_kind[moe[i]] for i in layers) / layout.virtual_stages
+    activations = chunks * sum(per_kind[kinds[i]] for i in layers) / layout.virtual_stages
     if layout.recompute == "full":
         # Backward recomputes one layer at a time: its full activations exist briefly.
-        activations += max(layer_activation_bytes(model, replace(layout, recompute="none"), seq_length, moe=moe[i])
-                           for i in layers)
+        activations += max(layer_activation_bytes(model, replace(layout, recompute="none"), seq_length,
+                                                  moe=kinds[i][0], fp8=kinds[i][1]) for i in layers)
     last = pp_rank == layout.pp - 1
     depths = (model.mtp_num_layers or 0) if last else 0
     if depths:

@@ -27,13 +27,13 @@ def balance_pipeline(model: ModelConfig, layout: Layout, cluster: Cluster, curve
     if layout.pp == 1:
         return layout
     steps = StepModel(model, cluster, curves, seq_length)
-    moe = model.moe_layers()
+    kinds = list(zip(model.moe_layers(), layout.fp8_layers(model.num_layers)))   # (MoE, FP8) of each layer
 
-    def seconds(kind: bool) -> float:
-        return sum(phase.total for phase in micro_batch_passes([steps.layer(layout, kind)], layout.recompute, None))
+    def seconds(kind: tuple[bool, bool]) -> float:
+        return sum(phase.total for phase in micro_batch_passes([steps.layer(layout, *kind)], layout.recompute, None))
 
-    per_kind = {kind: seconds(kind) for kind in set(moe)}
-    layer_times = [per_kind[kind] for kind in moe]   # dense and MoE layers differ
+    per_kind = {kind: seconds(kind) for kind in set(kinds)}
+    layer_times = [per_kind[kind] for kind in kinds]   # dense and MoE layers differ, bf16 and FP8 ones
     layer = sum(layer_times) / len(layer_times)       # the unit of the splits tried
     output = sum(phase.total for phase in steps.output_layer(layout, model.padded_vocab_size(layout.tp)))
     even = model.num_layers // (layout.pp * layout.virtual_stages)

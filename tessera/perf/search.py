@@ -60,6 +60,7 @@ class SearchSpace:
     tp_comm_overlap: bool = True
     compiled: bool = False
     framework: str = "megatron"
+    fp8: dict | None = None   # the FP8 settings (Layout's FP8_FIELDS), held fixed; None: bf16
 
 
 def candidates(model: ModelConfig, gpus: int, gpus_per_node: int, global_batch_size: int, seq_length: int,
@@ -87,7 +88,7 @@ def candidates(model: ModelConfig, gpus: int, gpus_per_node: int, global_batch_s
                             last_stage_layers=last if pp > 1 else None,
                             sequence_parallel=tp > 1, tp_comm_overlap=space.tp_comm_overlap and tp > 1,
                             distributed_optimizer=dp * cp > 1 or tp * cp * dp > ep * (etp or tp),  # or EDP > 1
-                            compiled=space.compiled, framework=space.framework)
+                            compiled=space.compiled, framework=space.framework, **(space.fp8 or {}))
             try:
                 check_layout(model, layout, global_batch_size, seq_length)
             except ConfigError:

@@ -8,7 +8,9 @@ The step is built from what each GPU does, as Megatron-LM schedules it:
    tensor-parallel collectives (tessera.perf.cluster); in a MoE layer also the router,
    the experts' grouped GEMMs and the token dispatch (tessera.perf.moe); multi-latent
    attention as its replicated down projections, column-parallel up projections (their
-   collectives move the latents, not the hidden state) and row-parallel output. A collective
+   collectives move the latents, not the hidden state) and row-parallel output. In a layer
+   trained in FP8 the tensor-parallel linears' GEMMs run at the recipe's FP8 rate and add their
+   quantisation passes (tessera.perf.fp8); the rest stays bf16. A collective
    that Megatron runs beside a GEMM costs only what the GEMM does not cover, plus its
    link's interference share of the covered part (both compete for SMs and HBM).
 2. A pipeline rank's micro-batch time is its layers (uneven splits give ranks different
@@ -38,6 +40,7 @@ from tessera.config import ModelConfig
 from tessera.perf.cluster import Cluster, Link
 from tessera.perf.deepseek import add_mtp_depths, latent_attention
 from tessera.perf.flops import _core_attention_width, flops_per_iteration
+from tessera.perf.fp8 import fp8_gemm
 from tessera.perf.kernels import KernelCurves
 from tessera.perf.layout import Layout
 from tessera.perf.memory import MemoryBreakdown, StageParameters, estimate_memory, stage_parameters
@@ -113,13 +116,15 @@ class StepModel:
         self.hbm = cluster.gpu.hbm_tb_per_s * 1e12 * curves.hbm_efficiency
 
     def gemm(self, m: float, n: float, k: float, groups: int = 1, peak: float | None = None,
-             bytes_per_element: int = 2) -> tuple[float, float, float]:
+             bytes_per_element: int = 2, curves: KernelCurves | None = None) -> tuple[float, float, float]:
         """(forward, input-gradient, weight-gradient) seconds of a GEMM with forward shape m x n x k
-        (a grouped GEMM of `groups` such shapes; at `peak` FLOP/s instead of the dtype's)."""
+        (a grouped GEMM of `groups` such shapes; at `peak` FLOP/s instead of the dtype's, on `curves`
+        instead of the bf16 ones)."""
+        curves = curves or self.curves
         hbm = self.hbm / self.curves.hbm_efficiency
 
         def time(a: float, b: float, c: float) -> float:
-            return self.curves.gemm_time(int(a), int(b), int(c), peak or self.peak, hbm, bytes_per_element, groups)
+            return curves.gemm_time(int(a), int(b), int(c), peak or self.peak, hbm, bytes_per_element, groups)
 
         return time(m, n, k), time(m, k, n), time(k, n, m)
 
@@ -127,8 +132,9 @@ class StepModel:
         """HBM bytes per token of the MLP's activation function on `width` features (forward, backward)."""
         return (6 * width, 10 * width) if self.model.swiglu else (4 * width, 6 * width)
 
-    def layer(self, layout: Layout, moe: bool = False) -> tuple[Phase, Phase]:
-        """Forward and backward of one transformer layer (a MoE layer if `moe`) for one micro-batch on one GPU."""
+    def layer(self, layout: Layout, moe: bool = False, fp8: bool = False) -> tuple[Phase, Phase]:
+        """Forward and backward of one transformer layer (a MoE layer if `moe`, its tensor-parallel
+        linears in FP8 if `fp8`) for one micro-batch on one GPU."""
         model, t = self.model, layout.tp
         tokens = layout.micro_batch_size * self.seq / layout.cp
         h = model.hidden_size
@@ -139,16 +145,20 @@ class StepModel:
         gated = 2 if model.swiglu else 1
         sp = t if layout.sequence_parallel else 1
         fwd, bwd = Phase(), Phase()
+
+        def linear(m: float, n: float, k: float) -> tuple[float, float, float]:
+            return fp8_gemm(self, layout, m, n, k, fwd, bwd) if fp8 else self.gemm(m, n, k)
+
         if model.multi_latent_attention:
-            blocks, collective_bytes, rope = latent_attention(self, layout, tokens, fwd, bwd)
+            blocks, collective_bytes, rope = latent_attention(self, layout, tokens, fwd, bwd, linear)
             # For context parallelism: queries and keys are d_qk + d_pe wide per head, values and the output d_v.
             q = kv = _core_attention_width(model)
         else:
-            blocks = [(self.gemm(tokens, (q + 2 * kv) / t, h), self.gemm(tokens, h, q / t))]   # (column, row) parallel
+            blocks = [(linear(tokens, (q + 2 * kv) / t, h), linear(tokens, h, q / t))]   # (column, row) parallel
             collective_bytes = [(tokens * h * 2,) * 2]
             rope = 4 * (q + kv) if model.position_embedding_type == "rope" else 0
         if f:
-            blocks.append((self.gemm(tokens, gated * f / t, h), self.gemm(tokens, h, f / t)))
+            blocks.append((linear(tokens, gated * f / t, h), linear(tokens, h, f / t)))
             collective_bytes.append((tokens * h * 2,) * 2)
         fwd.add("gemm", sum(gemm[0] for block in blocks for gemm in block))
         bwd.add("gemm", sum(gemm[1] + gemm[2] for block in blocks for gemm in block))
@@ -190,9 +200,10 @@ class StepModel:
 
         Without --tp-comm-overlap only the backward's collectives on the weight-gradient
         and input-gradient paths run asynchronously (Megatron's default); with it, TE
-        userbuffers pipeline every collective with its GEMM. tessera runs each collective
-        between its GEMMs (none hidden) and keeps the gathered GEMM inputs, so its backward
-        has the forward's collectives conjugated and no re-gather.
+        userbuffers pipeline every collective with its GEMM, as tessera's chunked ring does
+        (tessera.parallel.tp_overlap; not yet measured on GPUs). Without it tessera runs each
+        collective between its GEMMs (none hidden) and keeps the gathered GEMM inputs, so its
+        backward has the forward's collectives conjugated and no re-gather.
         """
         ranks, per_node = layout.tp, self.cluster.ranks_per_node(layout.tp)
         link = self.cluster.link(ranks, per_node)
@@ -309,9 +320,9 @@ def predict(model: ModelConfig, layout: Layout, cluster: Cluster, curves: Kernel
 
 def _rank_layer_passes(steps: StepModel, layout: Layout) -> list[list[tuple[Phase, Phase]]]:
     """Per pipeline rank, the (forward, backward) of one micro-batch through each of its layers."""
-    moe = steps.model.moe_layers()
-    kinds = {kind: steps.layer(layout, kind) for kind in set(moe)}
-    return [[kinds[moe[i]] for i in layers] for layers in layout.rank_layers(steps.model.num_layers)]
+    kinds = list(zip(steps.model.moe_layers(), layout.fp8_layers(steps.model.num_layers)))   # (MoE, FP8)
+    passes = {kind: steps.layer(layout, *kind) for kind in set(kinds)}
+    return [[passes[kinds[i]] for i in layers] for layers in layout.rank_layers(steps.model.num_layers)]
 
 
 def micro_batch_passes(layers: list[tuple[Phase, Phase]], recompute: str,

@@ -6,6 +6,7 @@ import torch
 from tessera.config import ModelConfig
 from tessera.perf.layout import Layout
 from tessera.perf.memory import GIB, chunks_in_flight, estimate_memory, layer_activation_bytes, stage_parameters
+from tests.perf import saved_tensors
 
 S, B, H, A, L = 2048, 2, 1024, 16, 8
 
@@ -96,40 +97,11 @@ def test_megatron_core_on_one_h200_matches_the_measured_peak():
 
 @pytest.mark.parametrize("preset,compiled", [("gpt3-1.3b", False), ("gpt3-1.3b", True), ("llama-1.2b", True)])
 def test_tessera_layer_activations_are_what_autograd_saves(preset, compiled):
-    """The oracle is autograd: bytes of the tensors a real tessera block (bf16 autocast over fp32
-    weights, as tessera trains without the distributed optimizer) saves for backward, counted
-    with saved-tensor hooks. Weight casts are left out (the model counts them with the weights),
-    and so are per-token statistics and RoPE tables (norm and log-sum-exp rows: under 1%).
-    Eager RMSNorm and SwiGLU save more than this (intermediates the compiled kernels fuse);
-    tessera compiles on GPUs, so that case is not modelled."""
-    from tessera.cli.args import parse_run_config
-    from tessera.models.gpt import GPTModel
-
-    b, s, h, heads = 2, 96, 320, 4      # b*s, h and ffn all differ, so shapes tell tensors apart
-    config, _ = parse_run_config(["--model", preset, "--num-layers", "1", "--hidden-size", str(h),
-                                  "--ffn-hidden-size", str(4 * h), "--num-attention-heads", str(heads),
-                                  "--num-query-groups", str(heads), "--seq-length", str(s), "--hidden-dropout", "0",
-                                  "--attention-dropout", "0", "--lr", "1e-3", "--train-iters", "1", "--mock-data"],
-                                 "test")
-    model = GPTModel(config.model)
-    block = model.layers[0]
-    if compiled:
-        block.compile()
-    weight_shapes = {tuple(p.shape) for p in block.parameters()} | {tuple(p.shape[::-1]) for p in block.parameters()}
-    saved = {}   # storage -> bytes: a saved view (V inside the fused QKV output) keeps all of it alive
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if tuple(tensor.shape) not in weight_shapes and storage.nbytes() >= 2 * b * s * h:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    x = torch.randn(b, s, h, requires_grad=True)
-    rope = model.rotary(s, None) if model.rotary is not None else None
-    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        block(x, rope)
-    layout = Layout(micro_batch_size=b, compiled=compiled, framework="tessera")
-    assert sum(saved.values()) == pytest.approx(layer_activation_bytes(config.model, layout, s), rel=0.005)
+    """The oracle is autograd (tests/perf/saved_tensors.py). Eager RMSNorm and SwiGLU save more than
+    this (intermediates the compiled kernels fuse); tessera compiles on GPUs, so that case is not modelled."""
+    saved, model = saved_tensors.saved_block_bytes(preset, compiled=compiled)
+    layout = Layout(micro_batch_size=saved_tensors.B, compiled=compiled, framework="tessera")
+    assert saved == pytest.approx(layer_activation_bytes(model, layout, saved_tensors.S), rel=0.005)
 
 
 def mixtral():

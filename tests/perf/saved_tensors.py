@@ -1,0 +1,43 @@
+"""What a real one-layer tessera block saves for backward, the oracle of the planner's activation
+memory: bytes of the tensors autograd keeps (bf16 autocast over fp32 weights, as tessera trains
+without the distributed optimizer), counted with saved-tensor hooks. Weight casts are left out (the
+model counts them with the weights), and so are per-token statistics and RoPE tables (norm and
+log-sum-exp rows: under 1%)."""
+
+import torch
+
+B, S, H, HEADS = 2, 96, 320, 4      # b*s, h and ffn (4h) all differ, so shapes tell tensors apart
+
+
+def saved_block_bytes(preset: str, *, compiled: bool, fp8_recipe: str | None = None):
+    """(bytes saved for backward by one block of `preset` at B x S x H, its ModelConfig)."""
+    from tessera.cli.args import parse_run_config
+    from tessera.kernels.fp8 import Fp8Recipe
+    from tessera.models.gpt import GPTModel
+    from tessera.training.fp8 import apply_fp8
+
+    config, _ = parse_run_config(["--model", preset, "--num-layers", "1", "--hidden-size", str(H),
+                                  "--ffn-hidden-size", str(4 * H), "--num-attention-heads", str(HEADS),
+                                  "--num-query-groups", str(HEADS), "--seq-length", str(S), "--hidden-dropout", "0",
+                                  "--attention-dropout", "0", "--lr", "1e-3", "--train-iters", "1", "--mock-data"],
+                                 "test")
+    model = GPTModel(config.model)
+    block = model.layers[0]
+    if fp8_recipe:
+        apply_fp8([(0, block)], Fp8Recipe(format="hybrid", recipe=fp8_recipe), set(), B * S)
+    if compiled:
+        block.compile()
+    weight_shapes = {tuple(p.shape) for p in block.parameters()} | {tuple(p.shape[::-1]) for p in block.parameters()}
+    saved = {}   # storage -> bytes: a saved view (V inside the fused QKV output) keeps all of it alive
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if tuple(tensor.shape) not in weight_shapes and storage.nbytes() >= 2 * B * S * H:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    x = torch.randn(B, S, H, requires_grad=True)
+    rope = model.rotary(S, None) if model.rotary is not None else None
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x, rope)
+    return sum(saved.values()), config.model
