@@ -17,7 +17,8 @@ def print_schedule(config) -> None:
         print("no pipeline parallelism (--pipeline-model-parallel-size 1): no schedule")
         return
     schedule = build_schedule(parallel.pipeline_schedule, parallel.pipeline_model_parallel_size,
-                              config.num_micro_batches, parallel.virtual_pipeline_size(config.model.num_layers))
+                              config.num_micro_batches, parallel.virtual_pipeline_size(config.model.num_layers),
+                              overlap_p2p=parallel.overlap_p2p_communication)
     print(schedule.format())
 
 

@@ -27,6 +27,9 @@ class ParallelConfig:
     moe_token_dispatcher_type: str = option(
         "allgather", "how tokens reach experts on other ranks (tessera.parallel.experts)", ("allgather", "alltoall"))
     sequence_parallel: bool = option(False, "shard norms and dropout along the sequence (needs TP > 1)")
+    tp_comm_overlap: bool = option(
+        False, "overlap the sequence-parallel all-gathers and reduce-scatters with the linear layers' GEMMs, "
+        "in chunks passed round the TP ranks (needs --sequence-parallel)")
     use_distributed_optimizer: bool = option(False, "shard fp32 master weights and Adam moments over data-parallel ranks (ZeRO-1)")
     overlap_grad_reduce: bool = option(False, "reduce each gradient bucket during backward, as soon as it is ready")
     overlap_param_gather: bool = option(False, "all-gather updated parameters during the next forward (distributed optimizer)")
@@ -38,6 +41,8 @@ class ParallelConfig:
     decoder_first_pipeline_num_layers: int | None = option(None, "layers on the first pipeline stage (the others split the rest evenly)")
     decoder_last_pipeline_num_layers: int | None = option(None, "layers on the last pipeline stage (the others split the rest evenly)")
     pipeline_schedule: str = option("1f1b", "pipeline schedule (1f1b interleaves with virtual stages)", ("1f1b", "gpipe"))
+    overlap_p2p_communication: bool = option(
+        False, "keep pipeline sends and receives in flight while the next micro-batch computes (not yet measured on GPUs)")
     distributed_timeout_minutes: float = option(
         10.0, "how long a collective (or the start-up rendezvous) may wait before it fails, naming what hung")
     print_schedule: bool = option(
@@ -51,6 +56,9 @@ class ParallelConfig:
                  "--use-distributed-optimizer and --use-torch-fsdp2 are exclusive (FSDP2 already shards the optimizer)")
         require(not self.overlap_param_gather or self.use_distributed_optimizer,
                  "--overlap-param-gather needs --use-distributed-optimizer")
+        require(not self.tp_comm_overlap or self.sequence_parallel, "--tp-comm-overlap needs --sequence-parallel")
+        require(not self.tp_comm_overlap or self.tensor_model_parallel_size > 1,
+                "--tp-comm-overlap needs --tensor-model-parallel-size > 1")
         positive(self, "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
                   "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
         require(self.virtual_pipeline_model_parallel_size is None or self.num_layers_per_virtual_pipeline_stage is None,
@@ -60,6 +68,8 @@ class ParallelConfig:
         for name in pipeline_flags:
             require(getattr(self, name) is None or self.pipeline_model_parallel_size > 1,
                      f"{flag(name)} needs --pipeline-model-parallel-size > 1")
+        require(not self.overlap_p2p_communication or self.pipeline_model_parallel_size > 1,
+                "--overlap-p2p-communication needs --pipeline-model-parallel-size > 1")
         require(not (self.use_torch_fsdp2 and self.pipeline_model_parallel_size > 1),
                  "--use-torch-fsdp2 with --pipeline-model-parallel-size > 1 is not supported")
         self._check_context_parallel()

@@ -50,6 +50,9 @@ class RunConfig:
         )
         tp = parallel.tensor_model_parallel_size
         require(parallel.sequence_parallel is False or tp > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1")
+        # The chunked GEMMs run outside Fp8Linear's scaling and FP8 backward.
+        require(not (parallel.tp_comm_overlap and train.fp8_format),
+                "--tp-comm-overlap with --fp8-format is not supported")
         require(
             model.num_attention_heads % tp == 0,
             f"--num-attention-heads ({model.num_attention_heads}) must be divisible by "

@@ -12,7 +12,9 @@ layer) and LLaMA/Qwen/Mistral (RoPE, RMSNorm, SwiGLU, GQA, no biases, untied out
 With tensor parallelism the vocabulary is split too: the loss is computed from each
 rank's slice of the logits, which are gathered only when the caller asks for logits.
 With sequence parallelism the embedding reduce-scatters to sequence shards, the blocks
-keep them, and the head all-gathers the sequence before the output layer.
+keep them, and the head all-gathers the sequence before the output layer. With
+`tp_comm_overlap` (--tp-comm-overlap) every such all-gather before a column-parallel GEMM and
+reduce-scatter after a row-parallel one runs in chunks under the GEMM (tessera.parallel.tp_overlap).
 
 Under context parallelism (`context_parallel`, tessera.parallel.context) every tensor along
 the sequence holds this rank's chunks of it, position ids (default: those of the chunks)
@@ -54,8 +56,8 @@ from tessera.parallel.experts import ExpertGroups
 from tessera.parallel.random import DropoutRNG, checkpoint, dropout
 from tessera.parallel.sharding import ShardSpec, annotate, rank_and_size
 from tessera.parallel.tensor import (
-    VocabParallelEmbedding, column_parallel_linear, gather_from_tp_region, scatter_to_sequence_region,
-    vocab_parallel_cross_entropy,
+    VocabParallelEmbedding, column_parallel_linear, enable_comm_overlap, gather_from_tp_region,
+    scatter_to_sequence_region, vocab_parallel_cross_entropy,
 )
 
 
@@ -70,9 +72,9 @@ class Recompute:
 
 class GPTModel(nn.Module):
     def __init__(self, config: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
-                 recompute: Recompute = Recompute(), layer_indices: Sequence[int] | None = None,
-                 pre_process: bool = True, post_process: bool = True, expert_groups: ExpertGroups | None = None,
-                 context_parallel: ContextParallel | None = None):
+                 tp_comm_overlap: bool = False, recompute: Recompute = Recompute(),
+                 layer_indices: Sequence[int] | None = None, pre_process: bool = True, post_process: bool = True,
+                 expert_groups: ExpertGroups | None = None, context_parallel: ContextParallel | None = None):
         super().__init__()
         self.config = config
         self.context_parallel = context_parallel
@@ -119,6 +121,9 @@ class GPTModel(nn.Module):
         # Full recompute must replay the per-rank stream when a recomputed layer draws from it.
         uses_rng = config.attention_dropout > 0 or (sp and config.hidden_dropout > 0)
         self._recompute_rng = self.dropout_rng if uses_rng else None
+        self.tp_comm_overlap = tp_comm_overlap and sp
+        if self.tp_comm_overlap:
+            enable_comm_overlap(self)
 
     # -- the three stages of the forward pass (a pipeline stage runs a subset) ---------
 
@@ -201,8 +206,8 @@ class GPTModel(nn.Module):
 
     def _output_layer(self, hidden: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         weight = self.embedding.weight if self.output_weight is None else self.output_weight
-        logits = column_parallel_linear(hidden, weight, None, self.tp_group,
-                                        sequence_parallel=self.sequence_parallel)  # this rank's vocabulary slice
+        logits = column_parallel_linear(hidden, weight, None, self.tp_group, sequence_parallel=self.sequence_parallel,
+                                        comm_overlap=self.tp_comm_overlap)  # this rank's vocabulary slice
         if labels is None:
             return gather_from_tp_region(logits, self.tp_group)
         return vocab_parallel_cross_entropy(logits, labels, self.tp_group)

@@ -15,6 +15,11 @@ travels. Activations and gradients go through separate process groups: with two 
 and virtual stages both flow between the same pair of ranks, and separate
 communicators keep their send/receive matching independent (what the schedule
 simulator assumes when it proves a schedule cannot deadlock).
+
+Without overlap every batch of transfers is waited on before the next compute. With
+--overlap-p2p-communication (`Schedule.overlap_p2p`, whose order posts receives earlier)
+transfers stay in flight: a compute waits only for the receive it consumes, and sends are
+waited on at the end of the step (their tensors are never written again before then).
 """
 
 from __future__ import annotations
@@ -95,15 +100,20 @@ class PipelineRunner:
         """Run the schedule. `before_backward(micro_batch, chunk)` is called before each backward
         (the trainer marks each chunk's last one for the data-parallel overlap)."""
         inputs, outputs, received, outgoing = {}, {}, {}, {}
+        in_flight = []   # the works of each posted group (emptied once waited on)
         self._timings = [_now(self.device)]
         for step in self.schedule.steps(self.pp_rank):
             if isinstance(step, list):
-                self._exchange(step, outgoing, received)
+                in_flight += self._post(step, outgoing, received)
+                if not self.schedule.overlap_p2p:
+                    _wait_all(in_flight)
+                else:   # finished groups' tensors need not live to the end of the step
+                    in_flight = [works for works in in_flight if not all(work.is_completed() for work in works)]
                 continue
             key = (step.micro_batch, step.chunk)
             start = _now(self.device)
             if step.kind == FORWARD:
-                hidden = received.pop((RECV_ACTIVATION,) + key, None)
+                hidden = _arrived(received, (RECV_ACTIVATION,) + key)
                 output = forward_step(step.chunk, step.micro_batch, hidden)
                 if self.stage(step.chunk) < self.last_stage:
                     outgoing[(SEND_ACTIVATION,) + key] = output.detach()
@@ -113,20 +123,24 @@ class PipelineRunner:
                 before_backward(*key)
                 self._backward(step, inputs.pop(key), outputs.pop(key), received, outgoing)
             self._timings.append((start, _now(self.device)))
+        _wait_all(in_flight)
         self._timings.append(_now(self.device))
 
     def _backward(self, step: Action, hidden, output, received: dict, outgoing: dict) -> None:
         if self.stage(step.chunk) == self.last_stage:
             torch.autograd.backward(output)   # the (scaled) loss
         else:
-            grad = received.pop((RECV_GRAD, step.micro_batch, step.chunk))
+            grad = _arrived(received, (RECV_GRAD, step.micro_batch, step.chunk))
             torch.autograd.backward(output, grad_tensors=grad.to(output.dtype))
         if self.stage(step.chunk) > 0:
             outgoing[(SEND_GRAD, step.micro_batch, step.chunk)] = hidden.grad
 
-    def _exchange(self, batch: list[Action], outgoing: dict, received: dict) -> None:
-        """Post a batch of transfers at once and wait for all of them."""
+    def _post(self, batch: list[Action], outgoing: dict, received: dict) -> list:
+        """Post a batch of transfers at once, one batch_isend_irecv per process group, and
+        return each group's works. Each receive lands in `received` with its group's works:
+        NCCL completes a group as one, so a receive is waited on with its group."""
         ops = {"activation": [], "gradient": []}
+        receives = {"activation": [], "gradient": []}
         for action in batch:
             family = "activation" if action.kind in (SEND_ACTIVATION, RECV_ACTIVATION) else "gradient"
             group = self.groups.activations if family == "activation" else self.groups.gradients
@@ -138,11 +152,15 @@ class PipelineRunner:
             else:
                 tensor = torch.empty(self.shape, dtype=self.dtype, device=self.device,
                                      requires_grad=action.kind == RECV_ACTIVATION and not self.schedule.forward_only)
-                received[key] = tensor
+                receives[family].append((key, tensor))
                 ops[family].append(dist.P2POp(dist.irecv, tensor, peer, group))
-        works = [work for family_ops in ops.values() if family_ops for work in dist.batch_isend_irecv(family_ops)]
-        for work in works:
-            work.wait()
+        posted = []
+        for family, family_ops in ops.items():
+            if family_ops:
+                works = dist.batch_isend_irecv(family_ops)
+                received.update((key, (tensor, works)) for key, tensor in receives[family])
+                posted.append(works)
+        return posted
 
     def measured_bubble(self) -> float:
         """Idle fraction of the last run on this rank: 1 - compute time / schedule time
@@ -152,6 +170,30 @@ class PipelineRunner:
         first, *computes, last = self._timings
         busy = sum(_seconds(start, end) for start, end in computes)
         return 1.0 - busy / max(_seconds(first, last), 1e-12)
+
+
+def _wait(works: list) -> None:
+    """Wait for a group of transfers (on a GPU: make the compute stream wait for them), once:
+    the list is emptied, as a gloo receive waited on twice would wait for a second message."""
+    for work in works:
+        work.wait()
+    works.clear()
+
+
+def _wait_all(groups: list[list]) -> None:
+    for works in groups:
+        _wait(works)
+    groups.clear()
+
+
+def _arrived(received: dict, key: tuple) -> torch.Tensor | None:
+    """The tensor received for `key` (None if none was), once its group has completed
+    (it has already, unless transfers overlap compute)."""
+    if key not in received:
+        return None
+    tensor, works = received.pop(key)
+    _wait(works)
+    return tensor
 
 
 def _now(device: torch.device):

@@ -18,6 +18,15 @@ compute that produced it. The runner posts every run of consecutive transfers as
 batch (send-after-forward together with receive-before-backward, as Megatron pairs
 them), and `build_schedule` simulates the result to prove it matches and cannot
 deadlock before anything runs.
+
+With `overlap_p2p` (--overlap-p2p-communication) the runner leaves transfers in flight
+and waits on a receive only right before the compute that consumes it, and on sends at the
+end of the step. Each compute is then its own unit, and where forwards and backwards
+alternate a receive moves one compute earlier, so that it arrives while the other kind
+runs: Megatron's overlapped order, after F send its output and receive the next forward's
+input, after B the same for gradients. Moving receives earlier in a run of forwards too
+would deadlock under NCCL (the simulator finds it for interleaving with p = 2: two
+receives in one group wait on a rank that waits on them).
 """
 
 from __future__ import annotations
@@ -58,6 +67,7 @@ class Schedule:
     num_micro_batches: int
     forward_only: bool
     ranks: tuple[tuple[Action, ...], ...]   # ranks[pp_rank]: that rank's actions in order
+    overlap_p2p: bool = False               # transfers stay in flight across computes
 
     def steps(self, pp_rank: int) -> Iterator[Action | list[Action]]:
         """The actions of a rank as the runner executes them: a compute action, or a list
@@ -88,7 +98,9 @@ class Schedule:
     def format(self) -> str:
         title = (f"{self.name} schedule: {self.pp_size} pipeline ranks x {self.vp_size} chunks, "
                  f"{self.num_micro_batches} micro-batches; theoretical bubble {self.theoretical_bubble():.1%}")
-        lines = [title, "  F<mb>.<chunk> forward, B backward, [..] transfers posted together"]
+        waits = ("each receive waited on by the compute that consumes it" if self.overlap_p2p
+                 else "waited on before the next compute")
+        lines = [title, f"  F<mb>.<chunk> forward, B backward, [..] transfers posted together, {waits}"]
         for rank in range(self.pp_size):
             parts = [str(s) if isinstance(s, Action) else "[" + " ".join(map(str, s)) + "]"
                      for s in self.steps(rank)]
@@ -97,7 +109,7 @@ class Schedule:
 
 
 def build_schedule(name: str, pp_size: int, num_micro_batches: int, vp_size: int = 1, *,
-                   forward_only: bool = False) -> Schedule:
+                   forward_only: bool = False, overlap_p2p: bool = False) -> Schedule:
     """The schedule `name` ('1f1b' or 'gpipe'; '1f1b' interleaves when vp_size > 1),
     checked by simulation: transfers match across ranks and nothing deadlocks."""
     from tessera.parallel.pipeline_simulation import simulate  # the checker builds on this module
@@ -116,8 +128,9 @@ def build_schedule(name: str, pp_size: int, num_micro_batches: int, vp_size: int
         order = _gpipe(pp_size, num_micro_batches, forward_only)
     else:
         order = _one_forward_one_backward(pp_size, num_micro_batches)
-    ranks = tuple(tuple(_with_communication(compute, rank, pp_size, vp_size)) for rank, compute in enumerate(order))
-    schedule = Schedule(name, pp_size, vp_size, num_micro_batches, forward_only, ranks)
+    ranks = tuple(tuple(_with_communication(compute, rank, pp_size, vp_size, overlap_p2p))
+                  for rank, compute in enumerate(order))
+    schedule = Schedule(name, pp_size, vp_size, num_micro_batches, forward_only, ranks, overlap_p2p)
     simulate(schedule)  # raises on a mismatch or deadlock
     return schedule
 
@@ -216,24 +229,40 @@ def _interleaved(pp_size: int, vp_size: int, num_micro_batches: int, forward_onl
 
 # -- transfers -----------------------------------------------------------------------------
 
-def _with_communication(units: list[list[Action]], rank: int, pp_size: int, vp_size: int) -> Iterator[Action]:
-    """Each unit's receives go right before it and its sends right after it; the first and
-    last virtual stages neither receive nor send across the pipeline's ends."""
+def _with_communication(units: list[list[Action]], rank: int, pp_size: int, vp_size: int,
+                        overlap_p2p: bool) -> Iterator[Action]:
+    """Each unit's receives go right before it and its sends right after it. With overlap
+    each compute is a unit of its own, and a receive goes one earlier when the compute
+    before its consumer is of the other kind (a backward between two forwards)."""
+    if overlap_p2p:
+        units = [[action] for unit in units for action in unit]
+    receives, sends = zip(*(_unit_transfers(unit, rank, pp_size, vp_size) for unit in units))
+    posted_before = [[] for _ in units]
+    for index, unit_receives in enumerate(receives):
+        earlier = overlap_p2p and index > 0 and units[index - 1][0].kind != units[index][0].kind
+        posted_before[index - 1 if earlier else index] += unit_receives
+    for index, unit in enumerate(units):
+        yield from posted_before[index]
+        yield from unit
+        yield from sends[index]
+
+
+def _unit_transfers(unit: list[Action], rank: int, pp_size: int, vp_size: int) -> tuple[list[Action], list[Action]]:
+    """(receives, sends) of a unit's computes; the first and last virtual stages neither
+    receive nor send across the pipeline's ends."""
     last_stage = pp_size * vp_size - 1
     previous, following = (rank - 1) % pp_size, (rank + 1) % pp_size
-    for unit in units:
-        sends = []
-        for action in unit:
-            stage, mb, chunk = action.chunk * pp_size + rank, action.micro_batch, action.chunk
-            if action.kind == FORWARD:
-                if stage > 0:
-                    yield Action(RECV_ACTIVATION, mb, chunk, previous)
-                if stage < last_stage:
-                    sends.append(Action(SEND_ACTIVATION, mb, chunk, following))
-            else:
-                if stage < last_stage:
-                    yield Action(RECV_GRAD, mb, chunk, following)
-                if stage > 0:
-                    sends.append(Action(SEND_GRAD, mb, chunk, previous))
-        yield from unit
-        yield from sends
+    receives, sends = [], []
+    for action in unit:
+        stage, mb, chunk = action.chunk * pp_size + rank, action.micro_batch, action.chunk
+        if action.kind == FORWARD:
+            if stage > 0:
+                receives.append(Action(RECV_ACTIVATION, mb, chunk, previous))
+            if stage < last_stage:
+                sends.append(Action(SEND_ACTIVATION, mb, chunk, following))
+        else:
+            if stage < last_stage:
+                receives.append(Action(RECV_GRAD, mb, chunk, following))
+            if stage > 0:
+                sends.append(Action(SEND_GRAD, mb, chunk, previous))
+    return receives, sends

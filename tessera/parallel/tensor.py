@@ -9,7 +9,9 @@ the ranks of a tensor-parallel (TP) group, and the autograd collectives between 
 Every collective comes with its conjugate in backward (all-reduce <-> identity,
 all-gather <-> reduce-scatter/split). With --sequence-parallel, the activations between
 TP regions (norms, dropout, residuals) are split along the sequence: all-gather before a
-column-parallel layer and reduce-scatter after a row-parallel one replace the all-reduce.
+column-parallel layer and reduce-scatter after a row-parallel one replace the all-reduce;
+with `comm_overlap` (--tp-comm-overlap) each runs in chunks under its GEMM
+(tessera.parallel.tp_overlap).
 
 Each layer stores only its shard and records how it is cut from the full weight
 (tessera.parallel.sharding.ShardSpec). With `tp_group=None` (TP=1) every layer is
@@ -28,8 +30,7 @@ from torch import nn
 from tessera.kernels.gemv import linear
 from tessera.parallel.collectives import all_gather_flat, reduce_scatter_flat
 from tessera.parallel.sharding import ShardSpec, annotate, rank_and_size, sum_replica_grads
-
-SEQUENCE_DIM = 1
+from tessera.parallel.tp_overlap import SEQUENCE_DIM, all_gather_matmul, matmul_reduce_scatter
 
 
 # -- the conjugate collectives ---------------------------------------------------------
@@ -124,9 +125,13 @@ reduce_scatter_tokens = _conjugate(_first(_reduce_scatter), _first(_all_gather))
 # -- layers ----------------------------------------------------------------------------
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp_group, *,
-                           sequence_parallel: bool = False, matmul=linear) -> torch.Tensor:
+                           sequence_parallel: bool = False, comm_overlap: bool = False,
+                           matmul=linear) -> torch.Tensor:
     """x W^T + b for a row-sharded W: the input enters the TP region (all-gathered along the
-    sequence under sequence parallelism), each rank computes its output features."""
+    sequence under sequence parallelism, with `comm_overlap` chunk by chunk under the GEMM),
+    each rank computes its output features."""
+    if comm_overlap and sequence_parallel:
+        return all_gather_matmul(x, weight, bias, tp_group)
     x = gather_from_sequence_region(x, tp_group) if sequence_parallel else copy_to_tp_region(x, tp_group)
     return matmul(x, weight, bias)
 
@@ -135,16 +140,21 @@ class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W split by output rows over tensor-parallel ranks.
 
     The output stays split along its last dimension unless `gather_output`. With
-    `sequence_parallel` the input is a sequence shard and is all-gathered first.
+    `sequence_parallel` the input is a sequence shard and is all-gathered first (overlapped with
+    the GEMM with `comm_overlap`).
     """
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, init_std: float,
                  segments: tuple[int, ...] | None = None, splits: tuple[int, ...] | None = None,
-                 tp_group=None, gather_output: bool = False, sequence_parallel: bool = False):
+                 tp_group=None, gather_output: bool = False, sequence_parallel: bool = False,
+                 comm_overlap: bool = False):
         super().__init__()
         if gather_output and segments:
             raise ValueError("gather_output would interleave the fused segments' pieces")
+        if comm_overlap and not sequence_parallel:
+            raise ValueError("comm_overlap needs sequence_parallel")
         self.tp_group, self.gather_output, self.sequence_parallel = tp_group, gather_output, sequence_parallel
+        self.comm_overlap = comm_overlap
         rank, size = rank_and_size(tp_group)
         spec = ShardSpec((out_features, in_features), 0, segments, rank, size, splits)
         local_out = sum(p.length for p in spec.pieces())
@@ -160,7 +170,7 @@ class ColumnParallelLinear(nn.Module):
         weight = sum_replica_grads(self.weight, self.weight_spec, self.tp_group)
         bias = None if self.bias is None else sum_replica_grads(self.bias, self.bias_spec, self.tp_group)
         y = column_parallel_linear(x, weight, bias, self.tp_group, sequence_parallel=self.sequence_parallel,
-                                   matmul=self.fp8 or linear)
+                                   comm_overlap=self.comm_overlap, matmul=self.fp8 or linear)
         return gather_from_tp_region(y, self.tp_group) if self.gather_output else y
 
 
@@ -169,16 +179,19 @@ class RowParallelLinear(nn.Module):
 
     The input is split along its last dimension (`input_is_parallel`, the output of a
     ColumnParallelLinear) or is split here. The sum is an all-reduce, or with
-    `sequence_parallel` a reduce-scatter to sequence shards. The bias is added once,
-    after the reduction.
+    `sequence_parallel` a reduce-scatter to sequence shards (overlapped with the GEMM with
+    `comm_overlap`). The bias is added once, after the reduction.
     """
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, init_std: float, tp_group=None,
-                 input_is_parallel: bool = True, sequence_parallel: bool = False):
+                 input_is_parallel: bool = True, sequence_parallel: bool = False, comm_overlap: bool = False):
         super().__init__()
         if sequence_parallel and not input_is_parallel:
             raise ValueError("sequence_parallel needs input_is_parallel")
+        if comm_overlap and not sequence_parallel:
+            raise ValueError("comm_overlap needs sequence_parallel")
         self.tp_group, self.input_is_parallel, self.sequence_parallel = tp_group, input_is_parallel, sequence_parallel
+        self.comm_overlap = comm_overlap
         rank, size = rank_and_size(tp_group)
         if in_features % size:
             raise ValueError(f"{in_features} input features do not split over {size} tensor-parallel ranks")
@@ -196,12 +209,22 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp_group)
+        if self.comm_overlap:
+            y = matmul_reduce_scatter(x, self.weight, self.tp_group)
+            return y if self.bias is None else y + self.bias
         y = (self.fp8 or linear)(x, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_region(y, self.tp_group)
         else:
             y = reduce_from_tp_region(y, self.tp_group)
         return y if self.bias is None else y + self.bias
+
+
+def enable_comm_overlap(model: nn.Module) -> None:
+    """--tp-comm-overlap: every sequence-parallel linear in `model` overlaps its collective with its GEMM."""
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.sequence_parallel:
+            module.comm_overlap = True
 
 
 class VocabParallelEmbedding(nn.Module):

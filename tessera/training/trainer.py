@@ -90,8 +90,8 @@ class Trainer:
             if self.mesh.cp_size > 1 else None
         with torch.device(self.device):
             self.model = GPTModel(config.model, tp_group=self.mesh.tp_group, sequence_parallel=parallel.sequence_parallel,
-                                  recompute=recompute, expert_groups=expert_groups,
-                                  context_parallel=self.context_parallel, **stage)
+                                  tp_comm_overlap=parallel.tp_comm_overlap, recompute=recompute,
+                                  expert_groups=expert_groups, context_parallel=self.context_parallel, **stage)
         initialize_parameters(self.model, train.seed)
         self.fp8_layers = self._apply_fp8()
         self.moe = MoEBalance(self.model, self.mesh, num_micro_batches=config.num_micro_batches,
@@ -173,10 +173,12 @@ class Trainer:
         runner = lambda schedule: PipelineRunner(  # noqa: E731
             schedule, mesh.pp_rank, self.pipeline, device=self.device, dtype=next(self.model.parameters()).dtype,
             activation_shape=(cfg.train.micro_batch_size, seq_length, cfg.model.hidden_size))
-        self.schedule = build_schedule(cfg.parallel.pipeline_schedule, mesh.pp_size, cfg.num_micro_batches, vp_size)
+        overlap = cfg.parallel.overlap_p2p_communication
+        self.schedule = build_schedule(cfg.parallel.pipeline_schedule, mesh.pp_size, cfg.num_micro_batches, vp_size,
+                                       overlap_p2p=overlap)
         self.runner = runner(self.schedule)
         self.eval_runner = runner(build_schedule(cfg.parallel.pipeline_schedule, mesh.pp_size,
-                                                 cfg.num_micro_batches, vp_size, forward_only=True))
+                                                 cfg.num_micro_batches, vp_size, forward_only=True, overlap_p2p=overlap))
 
     def _stage_forward(self, chunk: int, batch: Batch, hidden: torch.Tensor | None) -> torch.Tensor:
         """One model chunk on one micro-batch: its output activation, or on the last virtual

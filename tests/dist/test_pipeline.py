@@ -4,7 +4,8 @@ Same harness and tolerance as tests/dist/test_data_parallel.py (tests/dist/equiv
 says why): loss and grad norm every step at rtol 1e-5, every parameter at the end by
 relative norm 1e-5, plus the validation loss after training. Every layout runs at least
 4 micro-batches per step (global batch 16 of micro-batches of 2, over DP ranks), 4 layers.
-Layouts of one world size share one spawned run.
+Layouts of one world size share one spawned run. Each --overlap-p2p-communication layout is
+also compared with its twin without the flag (OVERLAPPED).
 """
 
 import pytest
@@ -30,6 +31,10 @@ LAYOUTS = {
                                              "--decoder-first-pipeline-num-layers", "1",
                                              "--decoder-last-pipeline-num-layers", "3"]),
         "PP=2 tied embeddings": (GPT, ["--pipeline-model-parallel-size", "2"]),
+        "PP=2 overlap p2p": (LLAMA, ["--pipeline-model-parallel-size", "2", "--overlap-p2p-communication"]),
+        "PP=2 x 2 virtual stages overlap p2p": (LLAMA, ["--pipeline-model-parallel-size", "2",
+                                                        "--virtual-pipeline-model-parallel-size", "2",
+                                                        "--overlap-p2p-communication"]),
     },
     4: {
         "PP=4 recompute": (LLAMA, ["--pipeline-model-parallel-size", "4", "--recompute-granularity", "full",
@@ -38,6 +43,8 @@ LAYOUTS = {
                                    "--sequence-parallel"]),
         "PP=2 x DP=2 overlap": (LLAMA, ["--pipeline-model-parallel-size", "2", "--overlap-grad-reduce",
                                         "--ddp-bucket-size", "20000"]),
+        "PP=2 x DP=2 overlap, overlap p2p": (LLAMA, ["--pipeline-model-parallel-size", "2", "--overlap-grad-reduce",
+                                                     "--ddp-bucket-size", "20000", "--overlap-p2p-communication"]),
         "PP=2 x 2 virtual x DP=2 tied, distributed optimizer, overlap": (
             GPT, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
                   "--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "20000"]),
@@ -47,6 +54,8 @@ LAYOUTS = {
                                        "--sequence-parallel", "--use-distributed-optimizer"]),
     },
 }
+OVERLAPPED = {"PP=2 overlap p2p": "PP=2", "PP=2 x 2 virtual stages overlap p2p": "PP=2 x 2 virtual stages",
+              "PP=2 x DP=2 overlap, overlap p2p": "PP=2 x DP=2 overlap"}
 
 
 def _train(flags: list[str]) -> dict:
@@ -82,6 +91,12 @@ def test_pipeline_layout_matches_single_process(references, results, layout):
     reference = references["gpt" if model is GPT else "llama"]
     assert_equivalent(reference, results[layout], layout)
     assert results[layout]["eval"] == pytest.approx(reference["eval"], rel=1e-5), f"{layout}: validation loss"
+
+
+@pytest.mark.parametrize("layout", OVERLAPPED)
+def test_overlapped_p2p_matches_the_same_layout_without_it(results, layout):
+    assert_equivalent(results[OVERLAPPED[layout]], results[layout], layout)
+    assert results[layout]["eval"] == pytest.approx(results[OVERLAPPED[layout]]["eval"], rel=1e-5), layout
 
 
 def test_stage_layer_ranges():
