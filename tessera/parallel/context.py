@@ -103,7 +103,7 @@ class _BlockAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, split: ZigzagSplit, group, scale: float, gather: bool):
         rank, _ = rank_and_size(group)
-        sources = _gathered(k, v, group) if gather else _Ring(group).around(k, v)
+        sources = _gathered(k, v, group) if gather else Ring(group).around(k, v)
         out, lse = attend_blocks(q, sources, split, rank, scale, v.shape[-1])
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -126,7 +126,7 @@ class _BlockAttention(torch.autograd.Function):
             reduce_scatter_flat(own, grads.flatten(), group=group)
         else:
             # dK, dV travel one hop behind their K, V; after the last hop they are home
-            ring, travelling = _Ring(group), None
+            ring, travelling = Ring(group), None
             for source, (k_s, v_s) in ring.around(k, v):
                 grads = torch.zeros(k.numel() + v.numel(), dtype=torch.float32, device=q.device)
                 blocks.add(source, k_s, v_s, *_unpack(grads, k, v))
@@ -175,8 +175,9 @@ class BlockGradients:
                 total[rows, :, where] += grad
 
 
-class _Ring:
-    """Point-to-point exchanges with the next and previous rank of a CP group."""
+class Ring:
+    """Point-to-point exchanges with the next and previous rank of a group (CP's ring attention,
+    the TP ring of tessera.parallel.tp_overlap)."""
 
     def __init__(self, group):
         self.group = group

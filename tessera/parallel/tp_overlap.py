@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tessera.parallel.collectives import all_gather_flat
-from tessera.parallel.context import _Ring   # ring attention's point-to-point neighbours, any group
+from tessera.parallel.context import Ring
 
 SEQUENCE_DIM = 1
 
@@ -49,7 +49,7 @@ SEQUENCE_DIM = 1
 def _gather_matmul(shard: torch.Tensor, matmul, group, *, keep_gathered: bool = False):
     """matmul(all-gather of `shard` along the sequence), computed shard by shard as the shards
     come round the ring; returns it and, with `keep_gathered`, the gathered tensor."""
-    ring = _Ring(group)
+    ring = Ring(group)
     outputs, shards = [None] * ring.size, [None] * ring.size
     current = shard.contiguous()
     for step in range(ring.size):
@@ -67,7 +67,7 @@ def _gather_matmul(shard: torch.Tensor, matmul, group, *, keep_gathered: bool = 
 def _matmul_reduce_scatter(full: torch.Tensor, matmul, group) -> torch.Tensor:
     """This rank's sequence chunk of matmul(`full`) summed over the ranks: each rank computes its
     part of one rank's chunk, adds the sum received so far and passes it on."""
-    ring = _Ring(group)
+    ring = Ring(group)
     if full.shape[SEQUENCE_DIM] % ring.size:
         raise ValueError(f"sequence of {full.shape[SEQUENCE_DIM]} does not split over {ring.size} ranks")
     chunks = full.chunk(ring.size, dim=SEQUENCE_DIM)

@@ -133,8 +133,8 @@ def _train_counting_passes(layouts: dict) -> dict:
     """Each layout's run, with how many tensors this rank passed round the TP ring."""
     results = {}
     for name, layout in layouts.items():
-        with mock.patch.object(tp_overlap._Ring, "send_on", autospec=True,
-                               side_effect=tp_overlap._Ring.send_on) as send_on:
+        with mock.patch.object(tp_overlap.Ring, "send_on", autospec=True,
+                               side_effect=tp_overlap.Ring.send_on) as send_on:
             results[name] = {**train(layout.model + layout.flags), "passes": send_on.call_count}
     return results
 
