@@ -33,7 +33,8 @@ tests/perf/test_memory.py) do: the residual stream is fp32 when the weights are 
 inputs 4 bytes); a compiled block saves only the first norm's input but also copies the
 fused kernel's output into the projection's input (both saved); RoPE's rotated Q and K are
 saved beside the QKV output (which V, a view of it, keeps alive); and under SP the QKV and
-fc1 inputs are saved all-gathered. A layer with FP8 linears (tessera.kernels.fp8) saves their
+fc1 inputs are saved all-gathered, but only their shards with --tp-comm-overlap (whose
+backward gathers them again, tessera.parallel.tp_overlap). A layer with FP8 linears (tessera.kernels.fp8) saves their
 bf16 inputs too, but a compiled one rebuilds the norms' outputs and fc2's input in backward
 (counted with saved-tensor hooks, tests/perf/test_fp8_plan.py): 2sb(2h + f) less per layer
 (2sbf under SP, whose gathered inputs stay).
@@ -144,7 +145,7 @@ def layer_activation_bytes(model: ModelConfig, layout: Layout, seq_length: int,
             per_score = 5 if model.attention_dropout > 0 else 2   # scores, and mask + dropout output
             tensor_sharded += per_score * a * s * s * b
     routed = routed_expert_bytes(model, layout, s * b / sp) if moe else 0.0
-    if tessera:   # the all-gathered GEMM inputs are what autograd keeps
+    if tessera and not layout.tp_comm_overlap:   # the all-gathered GEMM inputs are what autograd keeps
         return (norm_inputs + masks) / sp + (gemm_inputs * sp + tensor_sharded) / t + routed
     return (norm_inputs + masks + gemm_inputs) / sp + tensor_sharded / t + routed
 

@@ -200,10 +200,12 @@ class StepModel:
 
         Without --tp-comm-overlap only the backward's collectives on the weight-gradient
         and input-gradient paths run asynchronously (Megatron's default); with it, TE
-        userbuffers pipeline every collective with its GEMM, as tessera's chunked ring does
-        (tessera.parallel.tp_overlap; not yet measured on GPUs). Without it tessera runs each
+        userbuffers pipeline every collective with its GEMM. Without it tessera runs each
         collective between its GEMMs (none hidden) and keeps the gathered GEMM inputs, so its
-        backward has the forward's collectives conjugated and no re-gather.
+        backward has the forward's collectives conjugated and no re-gather. With it (SP only)
+        tessera's chunked ring (tessera.parallel.tp_overlap) runs each collective under its GEMM
+        and keeps only the input shard: the column-parallel backward re-gathers it beside its
+        input gradient's GEMM and reduce-scatter (not yet measured on GPUs).
         """
         ranks, per_node = layout.tp, self.cluster.ranks_per_node(layout.tp)
         link = self.cluster.link(ranks, per_node)
@@ -219,7 +221,10 @@ class StepModel:
         for (column, row), (inputs, outputs) in zip(blocks, collective_bytes):
             (gather_in, scatter_in, reduce_in), (gather_out, scatter_out, reduce_out) = map(collectives,
                                                                                            (inputs, outputs))
-            if layout.framework == "tessera":
+            if layout.framework == "tessera" and layout.sequence_parallel and tpo:
+                fwd.add("tp_comm", beside(gather_in, column[0], True) + beside(scatter_out, row[0], True))
+                bwd.add("tp_comm", beside(gather_out, row[1], True) + beside(scatter_in + gather_in, column[1], True))
+            elif layout.framework == "tessera":
                 sp = layout.sequence_parallel
                 fwd.add("tp_comm", gather_in + scatter_out if sp else reduce_out)
                 bwd.add("tp_comm", gather_out + scatter_in if sp else reduce_in)

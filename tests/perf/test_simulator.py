@@ -115,6 +115,22 @@ def test_tensor_parallel_costs_communication_and_sequence_parallel_saves_memory(
     assert sp.memory.activations < tp.memory.activations
 
 
+def test_tessera_tp_comm_overlap_hides_the_collectives_and_keeps_only_shards():
+    """tessera at TP=8 + SP: without --tp-comm-overlap every collective is exposed and the
+    all-gathered QKV and fc1 inputs are saved; with it (tessera.parallel.tp_overlap) each runs
+    under its GEMM, the backward re-gathers the input, and only the shards are saved."""
+    dgx = CLUSTERS["dgx-h100"]
+    model = ModelConfig(num_layers=2, hidden_size=8192, num_attention_heads=64, seq_length=S, vocab_size=V)
+    plain, overlapped = (predict(model, Layout(tp=8, sequence_parallel=True, tp_comm_overlap=overlap,
+                                               framework="tessera"), dgx, PROVISIONAL, 8, S)
+                         for overlap in (False, True))
+    assert 0 < overlapped.breakdown["tp_comm"] < plain.breakdown["tp_comm"]
+    assert overlapped.step_time < plain.step_time
+    # QKV's and fc1's inputs: 2 bytes x s x b x h each per layer, 1/8 of them kept instead of all
+    gathered = 2 * (2 * S * 1 * model.hidden_size) * model.num_layers
+    assert plain.memory.activations - overlapped.memory.activations == pytest.approx(gathered * (1 - 1 / 8), rel=1e-6)
+
+
 def test_full_recompute_costs_one_more_forward():
     plain = predict(gpt(), Layout(), IDEAL, IDEAL_CURVES, 2, S)
     full = predict(gpt(), Layout(recompute="full"), IDEAL, IDEAL_CURVES, 2, S)
