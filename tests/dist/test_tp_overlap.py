@@ -10,7 +10,8 @@ bf16 autocast <= 2e-2 (a few bf16 roundings of 2^-8), where backward must cast a
 Training: the harness of tests/dist/equivalence.py (losses and grad norms every step at
 rtol 1e-5, every parameter by relative norm 1e-5; it says why). A LLaMA-style model trains
 with TP=2 + SP + --tp-comm-overlap and must match the single-process run and TP=2 + SP
-without the overlap; so must TP=2 x DP=2 and TP=4 with full recompute. A GPT-style model with biases must match
+without the overlap; so must TP=2 x DP=2, TP=4 with full recompute, TP=2 x PP=2 and a MoE model
+(tiny-moe) at TP=2 + SP x EP=2. A GPT-style model with biases must match
 TP=2 + SP without the overlap; against one process it runs without linear biases, as in
 tests/dist/test_pipeline.py: the key bias has a zero gradient in exact arithmetic, so any
 two layouts (TP=2 + SP alone included) round it to different noise that Adam scales up
@@ -33,13 +34,15 @@ from tessera.parallel.mesh import Mesh
 from tessera.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 from tests.dist.equivalence import assert_equivalent, train
 from tests.dist.launcher import run_distributed
+from tests.dist.test_moe import MOE
 
 STEPS, MICRO_BATCHES = 3, 2
 SHORT = ["--train-iters", str(STEPS), "--global-batch-size", str(2 * MICRO_BATCHES)]   # micro-batches of 2
 LLAMA = SHORT                                   # tiny-llama: no biases, RMSNorm, SwiGLU, GQA 4/2, RoPE, untied
 GPT = SHORT + ["--model", "tiny-gpt"]           # biases, LayerNorm, GeLU, learned positions, tied embedding
 GPT_NO_BIASES = GPT + ["--disable-bias-linear"]
-REFERENCES = {"llama": LLAMA, "gpt no biases": GPT_NO_BIASES}
+MOE_MODEL = SHORT + MOE   # tiny-moe: a dense layer, then 4 experts (top-2) and a shared one
+REFERENCES = {"llama": LLAMA, "gpt no biases": GPT_NO_BIASES, "moe": MOE_MODEL}
 BLOCK_GEMMS = 2 * 4                             # 2 blocks x (QKV, attention projection, fc1, fc2)
 GEMMS = BLOCK_GEMMS + 1                         # and the output layer
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
@@ -69,6 +72,11 @@ LAYOUTS = {
             LLAMA, _sp(4, OVERLAP, *RECOMPUTE), 4, 1, "llama")},
 }
 ALL = {name: layout for layouts in LAYOUTS.values() for name, layout in layouts.items()}
+# With the other parallelisms (4 ranks), against one process only: their rings are counted above.
+COMBINED = {"llama TP=2 SP overlap x PP=2": Layout(LLAMA, _sp(2, OVERLAP, "--pipeline-model-parallel-size", "2"),
+                                                   2, 1, "llama"),
+            "moe TP=2 SP overlap x EP=2": Layout(MOE_MODEL, _sp(2, OVERLAP, "--expert-model-parallel-size", "2"),
+                                                 2, 1, "moe")}
 
 
 # -- layers ----------------------------------------------------------------------------
@@ -148,13 +156,14 @@ def references():
 def results():
     out = {}
     for world_size, layouts in LAYOUTS.items():
+        layouts = {**layouts, **COMBINED} if world_size == 4 else layouts
         out.update(run_distributed(_train_counting_passes, world_size, layouts)[0])
     return out
 
 
-@pytest.mark.parametrize("layout", [name for name, layout in ALL.items() if layout.reference])
+@pytest.mark.parametrize("layout", [name for name, layout in {**ALL, **COMBINED}.items() if layout.reference])
 def test_layout_matches_single_process(references, results, layout):
-    assert_equivalent(references[ALL[layout].reference], results[layout], layout)
+    assert_equivalent(references[{**ALL, **COMBINED}[layout].reference], results[layout], layout)
 
 
 @pytest.mark.parametrize("model", ["llama", "gpt"])
