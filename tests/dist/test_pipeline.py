@@ -41,6 +41,9 @@ LAYOUTS = {
                                    "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
         "TP=2 x PP=2 SP": (LLAMA, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
                                    "--sequence-parallel"]),
+        "TP=2 x PP=2 SP, both overlaps": (LLAMA, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size",
+                                                  "2", "--sequence-parallel", "--tp-comm-overlap",
+                                                  "--overlap-p2p-communication"]),
         "PP=2 x DP=2 overlap": (LLAMA, ["--pipeline-model-parallel-size", "2", "--overlap-grad-reduce",
                                         "--ddp-bucket-size", "20000"]),
         "PP=2 x DP=2 overlap, overlap p2p": (LLAMA, ["--pipeline-model-parallel-size", "2", "--overlap-grad-reduce",
@@ -55,7 +58,8 @@ LAYOUTS = {
     },
 }
 OVERLAPPED = {"PP=2 overlap p2p": "PP=2", "PP=2 x 2 virtual stages overlap p2p": "PP=2 x 2 virtual stages",
-              "PP=2 x DP=2 overlap, overlap p2p": "PP=2 x DP=2 overlap"}
+              "PP=2 x DP=2 overlap, overlap p2p": "PP=2 x DP=2 overlap",
+              "TP=2 x PP=2 SP, both overlaps": "TP=2 x PP=2 SP"}
 
 
 def _train(flags: list[str]) -> dict:
