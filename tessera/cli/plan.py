@@ -86,6 +86,7 @@ def _fixed_layout(values: dict, args: argparse.Namespace, model: ModelConfig) ->
                     overlap_grad_reduce=bool(_setting(values, args, "overlap_grad_reduce")),
                     overlap_param_gather=bool(_setting(values, args, "overlap_param_gather")),
                     tp_comm_overlap=bool(_setting(values, args, "tp_comm_overlap")),
+                    overlap_p2p_communication=bool(_setting(values, args, "overlap_p2p_communication")),
                     compiled=_setting(values, args, "compile") is not False,  # tessera compiles on GPUs
                     framework="tessera", **_fp8(values, args))
     return layout, _setting(values, args, "global_batch_size", mbs * dp)
@@ -123,8 +124,9 @@ def _space(values: dict, args: argparse.Namespace, model: ModelConfig) -> Search
                        micro_batch_size=given("micro_batch_size"), recompute=given("recompute_granularity"),
                        first_stage_layers=_setting(values, args, "decoder_first_pipeline_num_layers"),
                        last_stage_layers=_setting(values, args, "decoder_last_pipeline_num_layers"),
-                       # tessera's own runs: compiled blocks
+                       # tessera's own runs: compiled blocks, the overlaps its flags ask for
                        tp_comm_overlap=bool(_setting(values, args, "tp_comm_overlap")),
+                       overlap_p2p_communication=bool(_setting(values, args, "overlap_p2p_communication")),
                        compiled=_setting(values, args, "compile") is not False, framework="tessera",
                        fp8=_fp8(values, args))
 

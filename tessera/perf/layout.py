@@ -44,6 +44,7 @@ class Layout:
     overlap_grad_reduce: bool = True  # --overlap-grad-reduce
     overlap_param_gather: bool = True  # --overlap-param-gather
     tp_comm_overlap: bool = False     # --tp-comm-overlap
+    overlap_p2p_communication: bool = False   # --overlap-p2p-communication (tessera; Megatron always overlaps)
     compiled: bool = False            # --compile: torch.compile per block (tessera's default on GPUs)
     framework: str = "megatron"       # whose trainer: "megatron" (Megatron-Core's precision and layouts) or "tessera"
     # FP8 GEMMs in the transformer layers' linears (tessera.training.fp8); the defaults are tessera train's.
@@ -158,6 +159,10 @@ class Layout:
                 flags += [flag, str(value)]
         if self.sequence_parallel:
             flags.append("--sequence-parallel")
+        if self.sequence_parallel and self.tp_comm_overlap:
+            flags.append("--tp-comm-overlap")
+        if self.pp > 1 and self.overlap_p2p_communication:
+            flags.append("--overlap-p2p-communication")
         if self.fsdp:
             flags.append("--use-torch-fsdp2")
         elif self.distributed_optimizer:

@@ -56,8 +56,10 @@ class SearchSpace:
     last_stage_layers: int | None = None
     balance_pipeline: bool = True
     # What the framework does, not searched: Megatron with Transformer Engine overlaps TP
-    # communication and runs eager (the published runs); tessera compiles and does not overlap.
+    # communication and runs eager (the published runs); tessera compiles and overlaps what its
+    # flags say.
     tp_comm_overlap: bool = True
+    overlap_p2p_communication: bool = False
     compiled: bool = False
     framework: str = "megatron"
     fp8: dict | None = None   # the FP8 settings (Layout's FP8_FIELDS), held fixed; None: bf16
@@ -87,6 +89,7 @@ def candidates(model: ModelConfig, gpus: int, gpus_per_node: int, global_batch_s
                             first_stage_layers=first if pp > 1 else None,
                             last_stage_layers=last if pp > 1 else None,
                             sequence_parallel=tp > 1, tp_comm_overlap=space.tp_comm_overlap and tp > 1,
+                            overlap_p2p_communication=space.overlap_p2p_communication and pp > 1,
                             distributed_optimizer=dp * cp > 1 or tp * cp * dp > ep * (etp or tp),  # or EDP > 1
                             compiled=space.compiled, framework=space.framework, **(space.fp8 or {}))
             try:

@@ -308,8 +308,8 @@ def predict(model: ModelConfig, layout: Layout, cluster: Cluster, curves: Kernel
         boundary /= layout.tp if layout.sequence_parallel else 1
         across = layout.gpus // layout.pp >= cluster.gpus_per_node
         hops = 2 * (layout.pp * layout.virtual_stages - 1)  # the fill and the drain
-        if layout.framework == "tessera":   # its runner waits for each batch of transfers
-            hops += 2 * layout.virtual_stages * micro_batches
+        if layout.framework == "tessera" and not layout.overlap_p2p_communication:
+            hops += 2 * layout.virtual_stages * micro_batches   # its runner waits for each batch of transfers
         step.add("pp_p2p", hops * cluster.send(boundary, across))
         if model.tie_embeddings:  # first and last stage sum their embedding gradients
             embedding = vocab * model.hidden_size / layout.tp * GRAD_BYTES

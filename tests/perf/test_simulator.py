@@ -131,6 +131,21 @@ def test_tessera_tp_comm_overlap_hides_the_collectives_and_keeps_only_shards():
     assert plain.memory.activations - overlapped.memory.activations == pytest.approx(gathered * (1 - 1 / 8), rel=1e-6)
 
 
+def test_tessera_pipeline_transfers_are_exposed_unless_overlapped():
+    """tessera's runner waits for every batch of transfers: 2 v m sends beyond the fill and drain's
+    2 (p v - 1), unless --overlap-p2p-communication keeps them in flight (Megatron's way)."""
+    dgx = CLUSTERS["dgx-h100"]
+    layouts = [Layout(pp=2, virtual_stages=2, framework="tessera", overlap_p2p_communication=overlap)
+               for overlap in (False, True)]
+    waiting, overlapped = (predict(gpt(), layout, dgx, PROVISIONAL, 8, S) for layout in layouts)
+    micro_batches = 8
+    send = dgx.send(1 * S * H * 2, False)
+    assert overlapped.breakdown["pp_p2p"] == pytest.approx(2 * (2 * 2 - 1) * send)
+    assert waiting.breakdown["pp_p2p"] == pytest.approx((2 * (2 * 2 - 1) + 2 * 2 * micro_batches) * send)
+    assert "--overlap-p2p-communication" in layouts[1].flags() and "--overlap-p2p-communication" not in \
+        layouts[0].flags()
+
+
 def test_full_recompute_costs_one_more_forward():
     plain = predict(gpt(), Layout(), IDEAL, IDEAL_CURVES, 2, S)
     full = predict(gpt(), Layout(recompute="full"), IDEAL, IDEAL_CURVES, 2, S)
