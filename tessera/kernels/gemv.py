@@ -22,7 +22,8 @@ the norm (a first pass for the statistics made these GEMVs ~2 us slower each on 
 `swiglu_gemv` applies the SwiGLU activation of fc1's [gate | up] output. They round where
 the model's bf16 ops round (the residual sum, SiLU, the product) except the norm's output,
 which enters the fp32 product unrounded: within bf16's rounding of the unfused layer.
-Elsewhere (CPU, several rows, autograd) `linear` is F.linear; the fused forms run on CUDA only.
+Elsewhere (CPU, several rows, autograd, autocast) `linear` is F.linear; the fused forms run on
+CUDA only.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ PLAIN, RMSNORM, SWIGLU = 0, 1, 2   # the kernel's prologues
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     if triton is not None and x.is_cuda and x.numel() == x.shape[-1] and x.dtype == weight.dtype \
-            and weight.stride(-1) == 1 and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+            and weight.stride(-1) == 1 and not torch.is_autocast_enabled("cuda") \
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         y = gemv(x.reshape(-1), weight).view(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)
