@@ -47,6 +47,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests decoded together; more wait in the queue")
     engine.add_argument("--inference-max-seq-length", type=int,
                         help="longest prompt + output (default: the model's context); bounds the KV cache")
+    engine.add_argument("--inference-decode-steps", type=int, default=8, metavar="N",
+                        help="greedy decode steps run back to back on the GPU between two looks of the host "
+                             "(streamed tokens then come up to N at a time; 1: every step) [8]")
     engine.add_argument("--seed", type=int, default=1234, help="seed of requests that bring none")
     parallel = parser.add_argument_group("parallel (under torchrun)")
     parallel.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="N",
@@ -73,7 +76,8 @@ def build_engine(args: argparse.Namespace, prog: str):
     from tessera.inference.lockstep import init_tensor_parallel
     from tessera.inference.text import load_tokenizer, read_chat_template
 
-    for name in ("inference_max_requests", "inference_max_seq_length", "tensor_model_parallel_size"):
+    for name in ("inference_max_requests", "inference_max_seq_length", "inference_decode_steps",
+                 "tensor_model_parallel_size"):
         value = getattr(args, name)
         if value is not None and value < 1:
             fail(prog, f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -95,7 +99,8 @@ def build_engine(args: argparse.Namespace, prog: str):
 
         def make_engine(num_blocks: int | None = None) -> Engine:
             return Engine(model, max_requests=args.inference_max_requests, num_blocks=num_blocks,
-                          max_seq_length=args.inference_max_seq_length, eos_token_ids=eos, seed=args.seed)
+                          max_seq_length=args.inference_max_seq_length, eos_token_ids=eos, seed=args.seed,
+                          decode_steps=args.inference_decode_steps)
 
         engine = parallel.agree_on_cache(make_engine) if parallel else make_engine()
     except (ConfigError, FileNotFoundError, ValueError) as exc:

@@ -39,6 +39,7 @@ def test_serve_answers_chat_under_its_name_with_its_bounds(hf_dir, tokenizer, mo
 @pytest.mark.parametrize("flags, message", [
     (["--port", "70000"], "--port must be in [0, 65535]"),
     (["--inference-max-requests", "0"], "--inference-max-requests must be >= 1"),
+    (["--inference-decode-steps", "0"], "--inference-decode-steps must be >= 1"),
     (["--chat-template", "/nonexistent.jinja"], "--chat-template /nonexistent.jinja"),
 ])
 def test_bad_flags_stop_with_one_line_naming_them(hf_dir, flags, message, capsys):
