@@ -14,11 +14,11 @@ and the K step are tuned per weight shape (triton.autotune, timed with a cold L2
 first call of each shape).
 
 The prologue variants fold the small kernels between two GEMVs into the second one: each
-program recomputes the whole input row (a few KB, from L2) before streaming its rows of W.
+program computes the input row it needs (a few KB, from L2) as it streams its rows of W.
 `norm_gemv` adds the residual branch and applies the RMSNorm (program 0 also writes the new
 residual stream) in the same pass as the GEMV: sum_k W[n, k] w_k h_k is accumulated beside
 sum_k h_k^2 and scaled by the norm's 1 / rms at the end, so the weight's loads never wait for
-the norm (a first pass for the statistics made these GEMVs ~2 us slower each on an H200).
+the norm (a first pass for the statistics made these GEMVs ~1.5 us slower each on an H200).
 `swiglu_gemv` applies the SwiGLU activation of fc1's [gate | up] output. They round where
 the model's bf16 ops round (the residual sum, SiLU, the product) except the norm's output,
 which enters the fp32 product unrounded: within bf16's rounding of the unfused layer.
