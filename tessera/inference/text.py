@@ -276,28 +276,36 @@ class RequestText:
         """The delta of one `RequestOutput`; None once the request is over (the outputs of its abort)."""
         if self.finished:
             return None
-        shown = [t for t in output.token_ids if t not in self._skip]
-        piece = self._detokenizer.push(shown)
-        if output.finished:
-            piece += self._detokenizer.flush()
-        self.token_ids += output.token_ids
-        self.logprobs += output.logprobs or []
-        self.top_logprobs += output.top_logprobs or []
-        searched_from = max(0, len(self._text) - self._hold)
-        self._text += piece
-        stopped_at = self._find_stop(searched_from)
-        if stopped_at is not None:
-            self._text = self._text[:stopped_at]
-            if not output.finished:
-                self._abort()
-            self.finished, self.finish_reason = True, "stop"
-        elif output.finished:
+        tokens = list(output.token_ids)
+        kept = len(tokens)
+        # Token by token: an output may carry several (greedy steps run back to back), and the
+        # request ends with the token that completes a stop string, as it would one step at a time.
+        for index, token in enumerate(tokens):
+            searched_from = max(0, len(self._text) - self._hold)
+            if token not in self._skip:
+                self._text += self._detokenizer.push([token])
+            if output.finished and index == len(tokens) - 1:
+                self._text += self._detokenizer.flush()
+            stopped_at = self._find_stop(searched_from)
+            if stopped_at is not None:
+                self._text, kept = self._text[:stopped_at], index + 1
+                self.finished, self.finish_reason = True, "stop"
+                break
+        if output.finished and not tokens:
+            self._text += self._detokenizer.flush()
+        logprobs = None if output.logprobs is None else output.logprobs[:kept]
+        top = None if output.top_logprobs is None else output.top_logprobs[:kept]
+        self.token_ids += tokens[:kept]
+        self.logprobs += logprobs or []
+        self.top_logprobs += top or []
+        if self.finished and not output.finished:
+            self._abort()
+        elif output.finished and not self.finished:
             self.finished, self.finish_reason = True, output.finish_reason
         limit = len(self._text) if self.finished else len(self._text) - self._hold
         delta = self._text[self._sent:limit] if limit > self._sent else ""
         self._sent = max(self._sent, limit)
-        return TextDelta(delta, list(output.token_ids), output.logprobs, output.top_logprobs, self.finished,
-                         self.finish_reason)
+        return TextDelta(delta, tokens[:kept], logprobs, top, self.finished, self.finish_reason)
 
     def _find_stop(self, start: int) -> int | None:
         found = [i for i in (self._text.find(s, start) for s in self._stop) if i >= 0]

@@ -64,6 +64,24 @@ def test_stop_string_cuts_the_text_aborts_once_and_is_never_streamed(tokenizer):
     assert 0 < text.completion_tokens < len(ids)
 
 
+def test_a_stop_string_inside_a_burst_of_tokens_ends_the_request_at_its_token(tokenizer):
+    """Outputs of several tokens (greedy steps run back to back) give the text, the kept tokens and
+    their log-probs of one token at a time: the request ends with the token completing the stop."""
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog.")
+    one_at_a_time = RequestText(tokenizer, [], stop=["brown fox"])
+    _feed(one_at_a_time, ids)
+    aborted = []
+    bursts = RequestText(tokenizer, [], stop=["brown fox"], abort=lambda: aborted.append(1))
+    deltas = [bursts.update(_output(ids[i:i + 4], logprobs=[-float(t) for t in ids[i:i + 4]]))
+              for i in range(0, len(ids), 4)]
+    kept = one_at_a_time.completion_tokens
+    assert kept < len(ids) and kept % 4 != 0   # the stop completes inside a burst
+    assert bursts.text == one_at_a_time.text == "The quick "
+    assert bursts.token_ids == ids[:kept] and bursts.logprobs == [-float(t) for t in ids[:kept]]
+    assert bursts.finish_reason == "stop" and aborted == [1]
+    assert [d for d in deltas if d is not None][-1].token_ids == ids[kept // 4 * 4:kept]
+
+
 def test_text_that_only_starts_like_a_stop_string_is_released(tokenizer):
     text = RequestText(tokenizer, [], stop=["quick brown cat"])
     ids = tokenizer.encode("The quick brown fox")
