@@ -9,11 +9,15 @@ import torch
 B, S, H, HEADS = 2, 96, 320, 4      # b*s, h and ffn (4h) all differ, so shapes tell tensors apart
 
 
-def saved_block_bytes(preset: str, *, compiled: bool, fp8_recipe: str | None = None):
-    """(bytes saved for backward by one block of `preset` at B x S x H, its ModelConfig)."""
+def saved_block_bytes(preset: str, *, compiled: bool, fp8_recipe: str | None = None, tp: int = 1):
+    """(bytes saved for backward by one block of `preset` at B x S x H, its ModelConfig); with `tp` > 1
+    this rank's share (no sequence parallelism), run under a process group of that many ranks
+    (tests/dist/launcher.py)."""
     from tessera.cli.args import parse_run_config
+    from tessera.config import ParallelConfig
     from tessera.kernels.fp8 import Fp8Recipe
     from tessera.models.gpt import GPTModel
+    from tessera.parallel.mesh import Mesh
     from tessera.training.fp8 import apply_fp8
 
     config, _ = parse_run_config(["--model", preset, "--num-layers", "1", "--hidden-size", str(H),
@@ -21,7 +25,8 @@ def saved_block_bytes(preset: str, *, compiled: bool, fp8_recipe: str | None = N
                                   "--num-query-groups", str(HEADS), "--seq-length", str(S), "--hidden-dropout", "0",
                                   "--attention-dropout", "0", "--lr", "1e-3", "--train-iters", "1", "--mock-data"],
                                  "test")
-    model = GPTModel(config.model)
+    tp_group = Mesh.build(ParallelConfig(tensor_model_parallel_size=tp), "cpu").tp_group if tp > 1 else None
+    model = GPTModel(config.model, tp_group=tp_group)
     block = model.layers[0]
     if fp8_recipe:
         apply_fp8([(0, block)], Fp8Recipe(format="hybrid", recipe=fp8_recipe), set(), B * S)

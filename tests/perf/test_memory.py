@@ -1,5 +1,7 @@
 """Memory model against hand-computed cases (Korthikanti et al. 2022) and a measured run."""
 
+import functools
+
 import pytest
 import torch
 
@@ -102,6 +104,20 @@ def test_tessera_layer_activations_are_what_autograd_saves(preset, compiled):
     saved, model = saved_tensors.saved_block_bytes(preset, compiled=compiled)
     layout = Layout(micro_batch_size=saved_tensors.B, compiled=compiled, framework="tessera")
     assert saved == pytest.approx(layer_activation_bytes(model, layout, saved_tensors.S), rel=0.005)
+
+
+def test_tensor_parallel_layer_activations_are_what_autograd_saves():
+    """The same oracle on each of two TP ranks (gloo), a compiled LLaMA block at TP=2 without SP.
+    (Under SP the model counts both the QKV and the fc1 input all-gathered; a compiled block keeps
+    one of them as its shard: 2sbh(1 - 1/t) bytes a layer less than predicted, not yet modelled.)"""
+    from tests.dist.launcher import run_distributed
+
+    saved = run_distributed(functools.partial(saved_tensors.saved_block_bytes, compiled=True, tp=2), 2, "llama-1.2b")
+    model = saved_tensors.saved_block_bytes("llama-1.2b", compiled=True)[1]
+    layout = Layout(tp=2, micro_batch_size=saved_tensors.B, compiled=True, framework="tessera")
+    expected = layer_activation_bytes(model, layout, saved_tensors.S)
+    for rank_saved, _ in saved:
+        assert rank_saved == pytest.approx(expected, rel=0.005)
 
 
 def mixtral():
