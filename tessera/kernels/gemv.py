@@ -84,8 +84,8 @@ if triton is not None:
             out = out * tl.rsqrt(tl.sum(squares, 0) / K + eps)
         tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=rows < N)
 
-    def _launch(x, weight, prologue: int, k: int, delta=None, norm_weight=None, hidden=None, eps: float = 0.0):
-        n = weight.shape[0]
+    def _launch(x, weight, prologue: int, delta=None, norm_weight=None, hidden=None, eps: float = 0.0):
+        n, k = weight.shape
         out = torch.empty(n, dtype=x.dtype, device=x.device)
         _gemv_kernel[lambda meta: (triton.cdiv(n, meta["ROWS"]),)](
             x, x if delta is None else delta, x if norm_weight is None else norm_weight,
@@ -95,7 +95,7 @@ if triton is not None:
     @torch.library.custom_op("tessera::gemv", mutates_args=())
     def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [K], weight [N, K] (rows contiguous) -> [N] in x's dtype, accumulated in fp32."""
-        return _launch(x.contiguous(), weight, PLAIN, weight.shape[1])
+        return _launch(x.contiguous(), weight, PLAIN)
 
     @gemv.register_fake
     def _(x, weight):
@@ -106,8 +106,7 @@ if triton is not None:
                   weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """residual, delta [K] -> (hidden = residual + delta, RMSNorm(hidden) * norm_weight @ weight^T [N])."""
         hidden = torch.empty_like(residual)
-        out = _launch(residual.contiguous(), weight, RMSNORM, weight.shape[1], delta.contiguous(), norm_weight,
-                      hidden, eps)
+        out = _launch(residual.contiguous(), weight, RMSNORM, delta.contiguous(), norm_weight, hidden, eps)
         return hidden, out
 
     @norm_gemv.register_fake
@@ -117,7 +116,7 @@ if triton is not None:
     @torch.library.custom_op("tessera::swiglu_gemv", mutates_args=())
     def swiglu_gemv(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """gate_up [2K] ([gate | up], fc1's output) -> (SiLU(gate) * up) @ weight^T [N]."""
-        return _launch(gate_up.contiguous(), weight, SWIGLU, weight.shape[1])
+        return _launch(gate_up.contiguous(), weight, SWIGLU)
 
     @swiglu_gemv.register_fake
     def _(gate_up, weight):
