@@ -47,9 +47,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests decoded together; more wait in the queue")
     engine.add_argument("--inference-max-seq-length", type=int,
                         help="longest prompt + output (default: the model's context); bounds the KV cache")
-    engine.add_argument("--inference-decode-steps", type=int, default=8, metavar="N",
+    engine.add_argument("--inference-decode-steps", type=int, default=16, metavar="N",
                         help="greedy decode steps run back to back on the GPU between two looks of the host "
-                             "(streamed tokens then come up to N at a time; 1: every step) [8]")
+                             "(streamed tokens then come up to N at a time; 1: every step) [16]")
     engine.add_argument("--seed", type=int, default=1234, help="seed of requests that bring none")
     parallel = parser.add_argument_group("parallel (under torchrun)")
     parallel.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="N",

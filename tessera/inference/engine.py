@@ -69,7 +69,8 @@ class Engine:
     that start alike. `vocab_size` (default the model config's) excludes the output layer's
     padding rows from sampling. On CUDA, decode steps replay CUDA graphs (`cuda_graphs`) of the
     decode step compiled with torch.compile (`compile`; the first step of each new batch
-    shape captures its graph, and the first one compiles, tens of seconds for a 1B model).
+    shape captures its graph, and the first one compiles, tens of seconds for a 1B model);
+    `compile` also compiles the blocks that prompts run through (tessera.inference.runner).
     When every running request decodes greedily (no penalties, no log-probs) and none waits,
     up to `decode_steps` steps run back to back on the device (replays of one CUDA graph on
     CUDA) and their tokens come in one output; a request that ends within them keeps its
@@ -80,7 +81,7 @@ class Engine:
                  block_size: int = 16, num_blocks: int | None = None, max_batched_tokens: int = 2048,
                  eos_token_ids: Sequence[int] = (), seed: int = 0, prefix_caching: bool = True,
                  cuda_graphs: bool = True, compile: bool = True, kv_memory_fraction: float = 0.8,
-                 vocab_size: int | None = None, decode_steps: int = 8):
+                 vocab_size: int | None = None, decode_steps: int = 16):
         config = model.config
         limit = config.max_position_embeddings or config.seq_length
         self.max_seq_length = max_seq_length or limit

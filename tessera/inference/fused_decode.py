@@ -67,16 +67,16 @@ def decode_logits(model: GPTModel, input_ids: torch.Tensor, positions: torch.Ten
     """Logits [1, padded vocab] of one token id [1] at position [1] (the step's cache and tables)."""
     residual = model.embed(input_ids[None], positions[None]).view(-1)
     dtype = residual.dtype
-    cos, sin = (t.view(-1) for t in model.rotary(1, positions[None]))
     delta = torch.zeros_like(residual)
     for index, block in model.layers.items():
         attention, mlp = block.attention, block.mlp
         keys, values = step.pools[index]
         residual, qkv = gemv.norm_gemv(residual, delta, block.input_norm.weight, _eps(block.input_norm, dtype),
                                        attention.qkv.weight)
-        q = paged_decode.rotate_and_cache(qkv, cos, sin, keys, values, step.slots, attention.num_heads,
+        q = paged_decode.rotate_and_cache(qkv, model.rotary.cos, model.rotary.sin, keys, values,
+                                          step.decode_tables, positions, step.block_size, attention.num_heads,
                                           attention.num_groups, attention.head_dim)
-        out = paged_decode.paged_decode_attention(q, keys, values, step.decode_tables, step.decode_lengths,
+        out = paged_decode.paged_decode_attention(q, keys, values, step.decode_tables, positions,
                                                   step.block_size, attention.head_dim ** -0.5)
         delta = gemv.gemv(out.view(-1), attention.proj.weight)
         residual, gate_up = gemv.norm_gemv(residual, delta, block.post_attention_norm.weight,

@@ -57,15 +57,15 @@ class StepAttention:
     block_size: int
     slots: torch.Tensor                          # [tokens] int64: each token's cache slot
     decode_tables: torch.Tensor | None = None    # [decode rows, blocks] int64
-    decode_lengths: torch.Tensor | None = None   # [decode rows] int64: context lengths, the new token included
+    decode_positions: torch.Tensor | None = None   # [decode rows] int64: the new tokens' positions
     fresh: Documents | None = None
     continued: list[ContinuedRow] = field(default_factory=list)
 
     @classmethod
     def decode_only(cls, pools, block_size: int, positions: torch.Tensor, tables: torch.Tensor) -> "StepAttention":
-        """One new token per row at `positions` [rows]: slots and lengths computed on the device."""
+        """One new token per row at `positions` [rows]: slots computed on the device."""
         slots = tables.gather(1, (positions // block_size)[:, None])[:, 0] * block_size + positions % block_size
-        return cls(pools, block_size, slots, tables, positions + 1)
+        return cls(pools, block_size, slots, tables, positions)
 
     @staticmethod
     def fresh_documents(lengths: list[int], device: torch.device, dtype: torch.dtype) -> Documents | None:
@@ -143,14 +143,14 @@ def _attend_rows(step: StepAttention, q: torch.Tensor, fresh_kv: Fresh, context_
     if step.decode_tables is not None and pools is not None and paged_decode.available(q):
         rows = step.decode_tables.shape[0]
         out = paged_decode.paged_decode_attention(q[0, :, :rows].transpose(0, 1), *pools, step.decode_tables,
-                                                  step.decode_lengths, step.block_size,
+                                                  step.decode_positions, step.block_size,
                                                   q.shape[-1] ** -0.5 if scale is None else scale)
         outputs.append(out.transpose(0, 1)[None])
         start = rows
     elif step.decode_tables is not None:
         rows = step.decode_tables.shape[0]
         context = torch.arange(step.decode_tables.shape[1] * step.block_size, device=q.device)
-        allowed = (context < step.decode_lengths[:, None])[:, None, :]          # [rows, 1, keys]
+        allowed = (context <= step.decode_positions[:, None])[:, None, :]       # [rows, 1, keys]
         out = _attend_cached(q[0, :, :rows].transpose(0, 1)[:, :, None], *context_kv(step.decode_tables), allowed,
                              scale)
         outputs.append(out[:, :, 0].transpose(0, 1)[None])
