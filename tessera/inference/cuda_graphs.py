@@ -1,4 +1,4 @@
-"""CUDA graphs of the decode step: one kernel launch sequence replayed per token.
+"""CUDA graphs of engine steps: the decode step replayed per token, steps of prompts per padded size.
 
 At batch 1 a decode step is a few hundred small kernels; launched one by one from Python
 they take longer than the GPU needs to read the weights. So the step (compiled by
@@ -18,15 +18,28 @@ the token-id buffer and the positions advanced, so several decode steps replay b
 back with no host work between them and their tokens are read once at the end. Without
 that, the host's scheduling and sampling between two steps left the GPU idle for ~20% of
 a batch-1 step and ~25% of a batch-32 one (config B on an H200).
+
+Steps of fresh prompts alone (`PromptGraphs`): eagerly, a prompt's step is ~700 kernel
+launches, ~30 ms of host time for config B where the GPU needs ~2 ms. Their tokens are padded
+to a power of two and their documents to a row bucket (`padded_prompts`): the padding tokens
+form documents of their own (FlashAttention's variable-length kernel then needs no mask),
+write their keys into the null block and their logits are dropped. Only with that kernel
+(bf16 and fp16 on CUDA), whose inputs are all device tensors.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from typing import Callable, Sequence
 
 import torch
 
+from tessera.inference.paged_attention import StepAttention
+from tessera.models.documents import Documents
+
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+PromptForward = Callable[[torch.Tensor, torch.Tensor, StepAttention, torch.Tensor], torch.Tensor]
 
 
 def row_bucket(rows: int) -> int:
@@ -132,4 +145,89 @@ class DecodeGraphs:
             logits = self._step(*inputs, greedy)
         self._pool = graph.pool()
         self.graphs[(rows, blocks, greedy)] = graph, logits
+        return graph, logits
+
+
+def token_bucket(tokens: int) -> int:
+    """A step's padded token count: a power of two up to 512 (at least 16), then a multiple of 512."""
+    return max(16, 1 << (tokens - 1).bit_length()) if tokens <= 512 else -(-tokens // 512) * 512
+
+
+def padded_prompts(lengths: Sequence[int]) -> tuple[int, list[int]]:
+    """The padded layout of a step of prompts of `lengths`: (its tokens, its documents' bounds).
+    The prompts' tokens are padded to a `token_bucket` and their documents to a `row_bucket`
+    with padding documents of one token or more (so that no document is empty)."""
+    total, prompts = sum(lengths), len(lengths)
+    tokens, documents = token_bucket(total), row_bucket(prompts)
+    if tokens > total and documents == prompts:   # the padding tokens need a document
+        documents = row_bucket(prompts + 1)
+    if tokens - total < documents - prompts:      # and every padding document a token
+        tokens = token_bucket(total + documents - prompts)
+    padding = range(1, documents - prompts) if documents > prompts else ()
+    bounds = [0, *itertools.accumulate(lengths), *(total + i for i in padding)]
+    return tokens, bounds + [tokens] if documents > prompts else bounds
+
+
+class PromptGraphs:
+    """`forward(ids [1, tokens], positions [1, tokens], step, last [prompts]) -> logits at `last``
+    for steps of fresh prompts only, replayed from CUDA graphs, one per padded layout."""
+
+    def __init__(self, forward: PromptForward, pools, block_size: int, *, max_tokens: int, max_prompts: int,
+                 device: torch.device):
+        self.forward, self.pools, self.block_size = forward, pools, block_size
+        documents = row_bucket(max_prompts + 1)
+        self.max_tokens = token_bucket(max_tokens + documents)
+        shapes = dict(ids=(self.max_tokens,), positions=(self.max_tokens,), slots=(self.max_tokens,),
+                      bounds=(documents + 1,), last=(documents,))
+        dtypes = dict(bounds=torch.int32)
+        self.device_inputs = {name: torch.zeros(shape, dtype=dtypes.get(name, torch.int64), device=device)
+                              for name, shape in shapes.items()}
+        self.host_inputs = {name: torch.zeros(shape, dtype=dtypes.get(name, torch.int64), pin_memory=True)
+                            for name, shape in shapes.items()}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+
+    def fits(self, lengths: Sequence[int]) -> bool:
+        return padded_prompts(lengths)[0] <= self.max_tokens
+
+    def __call__(self, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
+                 lengths: Sequence[int]) -> torch.Tensor:
+        """Logits [prompts, vocab] at each prompt's last token; ids, positions and cache slots
+        [tokens] of the prompts laid end to end."""
+        tokens, bounds = padded_prompts(lengths)
+        self._fill(ids, positions, slots, bounds)
+        key = (tokens, len(bounds) - 1)
+        graph, logits = self.graphs.get(key) or self._capture(tokens, bounds)
+        graph.replay()
+        return logits[:len(lengths)]
+
+    def _fill(self, ids, positions, slots, bounds: list[int]) -> None:
+        host = {name: tensor.numpy() for name, tensor in self.host_inputs.items()}
+        tokens, count = bounds[-1], len(ids)
+        for name, values in (("ids", ids), ("positions", positions), ("slots", slots)):
+            host[name][:tokens] = 0   # padding: token 0 at position 0, written into the null block
+            host[name][:count] = values
+        host["bounds"][:len(bounds)] = bounds
+        host["last"][:len(bounds) - 1] = [end - 1 for end in bounds[1:]]
+        sizes = dict(ids=tokens, positions=tokens, slots=tokens, bounds=len(bounds), last=len(bounds) - 1)
+        for name, tensor in self.device_inputs.items():
+            tensor[:sizes[name]].copy_(self.host_inputs[name][:sizes[name]], non_blocking=True)
+
+    def _capture(self, tokens: int, bounds: list[int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        d = self.device_inputs
+        ids, positions, slots = (d[name][:tokens][None] for name in ("ids", "positions", "slots"))
+        layout = Documents.from_cu_seqlens(torch.tensor(bounds), 1, tokens, backend="varlen", device=d["ids"].device)
+        step = StepAttention(self.pools, self.block_size, slots[0])
+        step.fresh = dataclasses.replace(layout, cu_seqlens=d["bounds"][:len(bounds)], max_seqlen=tokens)
+        last = d["last"][:len(bounds) - 1]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):   # warm-up outside the capture (it writes what the replay writes)
+            self.forward(ids, positions, step, last)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self.forward(ids, positions, step, last)
+        self._pool = graph.pool()
+        self.graphs[(tokens, len(bounds) - 1)] = graph, logits
         return graph, logits

@@ -110,7 +110,8 @@ class Engine:
         self.scheduler = Scheduler(self.cache.allocator, max_requests=max_requests,
                                    max_batched_tokens=max_batched_tokens)
         self.runner = ModelRunner(model, self.cache, self.vocab_size, max_rows=max_requests,
-                                  max_blocks=blocks_per_request, cuda_graphs=cuda_graphs, compile=compile,
+                                  max_blocks=blocks_per_request, max_tokens=max_batched_tokens,
+                                  cuda_graphs=cuda_graphs, compile=compile,
                                   decode_steps=decode_steps)
         self.decode_steps = decode_steps
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids)

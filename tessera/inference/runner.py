@@ -6,14 +6,15 @@ step's tokens laid flat ([1, tokens]), with positions given explicitly and each 
 Only the last token of a row that finishes its prompt (or decodes) goes through the head.
 
 Steps where every row decodes one token run through `DecodeGraphs` on CUDA (CUDA graphs
-of the compiled decode step; several greedy steps back to back where the engine asks).
-The others (prompts, with or without decode rows beside them) run through the model
-compiled whole on CUDA where compiling is asked: eager, config B's 24 layers cost ~30 ms of
-host time per prompt on an H200 whatever its length (the GPU needs 1.7 ms for 128 tokens);
-each block compiled on its own still ~19 ms (~0.8 ms of guards and launches a block). The
-graph's shapes are dynamic, so it compiles once per kind of step; steps with continued rows
-(later chunks, prompts after a cached prefix) stay eager, since each number of them would
-be a new graph.
+of the compiled decode step; several greedy steps back to back where the engine asks),
+steps of fresh prompts alone through `PromptGraphs` (CUDA graphs of the eager step, padded;
+bf16 and fp16). Eager, config B's 24 layers cost ~30 ms of host time per prompt on an H200
+whatever its length (the GPU needs 1.7 ms for 128 tokens); each block compiled on its own
+still ~19 ms (~0.8 ms of guards and launches a block); the model compiled whole ~11 ms. So
+the other steps with prompts (beside decode rows) run through the model compiled whole
+where compiling is asked: its shapes are dynamic, so it compiles once per kind of step;
+steps with continued rows (later chunks, prompts after a cached prefix) stay eager, since
+each number of them would be a new graph.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from typing import Sequence
 import torch
 
 from tessera.inference import fused_decode
-from tessera.inference.cuda_graphs import DecodeGraphs
+from tessera.inference.cuda_graphs import DecodeGraphs, PromptGraphs
 from tessera.inference.kv_cache import NULL_BLOCK, PagedKVCache
 from tessera.inference.paged_attention import ContinuedRow, StepAttention
 from tessera.inference.scheduler import ScheduledRow
+from tessera.models.documents import default_backend
 from tessera.models.gpt import GPTModel
 from tessera.models.moe import MoELayer, grouped_mm_available
 from tessera.parallel.experts import LocalDispatcher
@@ -71,15 +73,20 @@ class ModelRunner:
     """Runs scheduled rows through the model and returns fp32 logits over the real vocabulary."""
 
     def __init__(self, model: GPTModel, cache: PagedKVCache, vocab_size: int, *, max_rows: int, max_blocks: int,
-                 cuda_graphs: bool, compile: bool, decode_steps: int = 1):
+                 max_tokens: int, cuda_graphs: bool, compile: bool, decode_steps: int = 1):
         self.model, self.cache, self.vocab_size = model, cache, vocab_size
         parameter = next(model.parameters())
         self.device, self.dtype = parameter.device, parameter.dtype
         self.fused = fused_decode.supported(model)   # single-row decode steps through fused kernels
         self.prompt_forward = torch.compile(forward_tokens, dynamic=True) if compile and self.device.type == "cuda" \
             else forward_tokens
-        self.graphs = None
+        self.graphs = self.prompt_graphs = None
         if cuda_graphs and self.device.type == "cuda":
+            varlen = default_backend(self.device, self.dtype, dropout=False) == "varlen"
+            if graphs_supported(model, self.dtype) and varlen:
+                self.prompt_graphs = PromptGraphs(lambda ids, positions, step, last: forward_tokens(
+                    model, ids, positions, step, last), cache.pools, cache.block_size, max_tokens=max_tokens,
+                    max_prompts=max_rows, device=self.device)
             if graphs_supported(model, self.dtype):
                 self.graphs = DecodeGraphs(lambda ids, positions, tables: decode_logits(
                     model, cache, ids, positions, tables, fused=self.fused), max_rows=max_rows, max_blocks=max_blocks,
@@ -145,15 +152,19 @@ class ModelRunner:
             slots.append(blocks[span // self.cache.block_size] * self.cache.block_size + span % self.cache.block_size)
             total += row.count
             ends.append(total - 1)
+        sampling = [i for i, row in enumerate(ordered) if row.samples]
+        lengths = [r.count for r in fresh]
+        if self.prompt_graphs is not None and not decode and not continued and self.prompt_graphs.fits(lengths):
+            logits = self.prompt_graphs(torch.cat(ids), torch.cat(positions), torch.cat(slots), lengths)
+            return logits[torch.tensor(sampling, device=self.device)]   # fresh rows keep the order of `rows`
         to_device = lambda parts: torch.cat(parts).to(self.device)  # noqa: E731
         step = StepAttention(self.cache.pools, self.cache.block_size, to_device(slots))
         if decode:
             step.decode_tables = self._padded([r.request.blocks for r in decode])
             step.decode_positions = torch.tensor([r.start for r in decode], device=self.device)
-        step.fresh = StepAttention.fresh_documents([r.count for r in fresh], self.device, self.dtype)
+        step.fresh = StepAttention.fresh_documents(lengths, self.device, self.dtype)
         step.continued = [ContinuedRow(r.count, r.start + r.count,
                                        torch.tensor(r.request.blocks, device=self.device)) for r in continued]
-        sampling = [i for i, row in enumerate(ordered) if row.samples]
         logit_index = torch.tensor([ends[i] for i in sampling], dtype=torch.int64, device=self.device)
         forward = forward_tokens if continued else self.prompt_forward
         logits = forward(self.model, to_device(ids)[None], to_device(positions)[None], step, logit_index)
