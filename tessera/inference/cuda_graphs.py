@@ -36,6 +36,7 @@ from typing import Callable, Sequence
 import torch
 
 from tessera.inference.paged_attention import StepAttention
+from tessera.kernels.argmax import argmax_into
 from tessera.models.documents import Documents
 
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -119,7 +120,7 @@ class DecodeGraphs:
     def _step(self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, greedy: bool) -> torch.Tensor:
         logits = self.forward(ids, positions, tables)
         if greedy:   # the next step's inputs
-            ids.copy_(logits[:, :self.vocab_size].argmax(dim=-1))
+            argmax_into(logits, self.vocab_size, ids)
             positions.add_(1)
         return logits
 

@@ -17,7 +17,7 @@ from tessera.inference.kv_cache import PagedKVCache
 from tessera.inference.paged_attention import StepAttention
 from tessera.inference.runner import forward_tokens
 from tessera.inference.sampling import SamplingParams
-from tessera.kernels import gemv, paged_decode
+from tessera.kernels import argmax, gemv, paged_decode
 from tessera.models.gpt import GPTModel, initialize_parameters
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or paged_decode.triton is None,
@@ -149,3 +149,17 @@ def test_fused_decode_step_equals_the_model(dtype, rotary_percent):
         for e, a in zip(caches[0].pools[index], caches[1].pools[index]):
             assert ((a.float() - e.float()).norm() / e.float().norm()).item() < bound
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_into_equals_torch_argmax(dtype):
+    """Rows of logits wider than the vocabulary (the padding columns hold the largest values and
+    must be ignored), with ties (bf16 rounds many logits together): the first maximal index."""
+    generator = torch.Generator(device="cuda").manual_seed(4)
+    logits = torch.randn(33, 32064, device="cuda", generator=generator).to(dtype)
+    logits[:, 32000:] = 100.0
+    logits[3, [7, 31999]] = 50.0                  # a tie: index 7
+    out = torch.full((33,), -1, dtype=torch.int64, device="cuda")
+    argmax.argmax_into(logits, 32000, out)
+    assert out.tolist() == logits[:, :32000].argmax(dim=-1).tolist()
+    assert out[3].item() == 7
