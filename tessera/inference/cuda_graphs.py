@@ -21,7 +21,7 @@ a batch-1 step and ~25% of a batch-32 one (config B on an H200).
 
 Steps of fresh prompts alone (`PromptGraphs`): eagerly, a prompt's step is ~700 kernel
 launches, ~30 ms of host time for config B where the GPU needs ~2 ms. Their tokens are padded
-to a power of two and their documents to a row bucket (`padded_prompts`): the padding tokens
+to a `token_bucket` and their documents to a row bucket (`padded_prompts`): the padding tokens
 form documents of their own (FlashAttention's variable-length kernel then needs no mask),
 write their keys into the null block and their logits are dropped. Only with that kernel
 (bf16 and fp16 on CUDA), whose inputs are all device tensors.

@@ -69,8 +69,10 @@ class Engine:
     that start alike. `vocab_size` (default the model config's) excludes the output layer's
     padding rows from sampling. On CUDA, decode steps replay CUDA graphs (`cuda_graphs`) of the
     decode step compiled with torch.compile (`compile`; the first step of each new batch
-    shape captures its graph, and the first one compiles, tens of seconds for a 1B model);
-    `compile` also compiles the blocks that prompts run through (tessera.inference.runner).
+    shape captures its graph, and the first one compiles, tens of seconds for a 1B model).
+    Steps of fresh prompts replay CUDA graphs of their own; with `compile`, steps that mix
+    prompts and decode rows run through the model compiled whole, each kind compiling on
+    its first use (tessera.inference.runner).
     When every running request decodes greedily (no penalties, no log-probs) and none waits,
     up to `decode_steps` steps run back to back on the device (replays of one CUDA graph on
     CUDA) and their tokens come in one output; a request that ends within them keeps its

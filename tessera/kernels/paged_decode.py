@@ -27,8 +27,8 @@ query returned and the key and value written into their pool slot, in one kernel
 the rotation and the two scatters. Both take the new tokens' positions (and the whole RoPE
 tables) rather than context lengths, slots or cos/sin rows computed from them: under
 torch.compile such small index computations are recomputed before every layer's kernel
-(~60 us a step at batch 1, measured on an H200).
-They launch with programmatic dependent launch on Hopper (tessera.kernels.gemv).
+(~60 us a step at batch 1, measured on an H200). All three kernels launch with programmatic
+dependent launch on Hopper (tessera.kernels.gemv).
 """
 
 from __future__ import annotations
