@@ -137,17 +137,19 @@ def layer_activation_bytes(model: ModelConfig, layout: Layout, seq_length: int,
         tensor_sharded += 2 * s * b * (q + 2 * kv) + 2 * s * b * q
         if tessera and model.position_embedding_type == "rope":
             tensor_sharded += 2 * s * b * (q + kv)   # rotated Q and K, beside the QKV output that V is a view of
+    # A compiled block keeps the attention projection's output (after its all-reduce or
+    # reduce-scatter) to rebuild the second norm's input, the residual, in backward.
+    projection_output = 2 * s * b * h if tessera and layout.compiled and layout.recompute != "selective" else 0.0
     if layout.recompute != "selective":
         if fused_attention:
-            # A compiled block also saves the projection's input, a copy of the kernel's output.
-            tensor_sharded += 4 * s * b * a + (2 * s * b * q if tessera and layout.compiled else 0.0)
+            tensor_sharded += 4 * s * b * a
         else:
             per_score = 5 if model.attention_dropout > 0 else 2   # scores, and mask + dropout output
             tensor_sharded += per_score * a * s * s * b
     routed = routed_expert_bytes(model, layout, s * b / sp) if moe else 0.0
-    if tessera and not layout.tp_comm_overlap:   # the all-gathered GEMM inputs are what autograd keeps
-        return (norm_inputs + masks) / sp + (gemm_inputs * sp + tensor_sharded) / t + routed
-    return (norm_inputs + masks + gemm_inputs) / sp + tensor_sharded / t + routed
+    if tessera and not layout.tp_comm_overlap:   # the whole GEMM inputs (replicated, or all-gathered under SP)
+        return (norm_inputs + masks + projection_output) / sp + gemm_inputs + tensor_sharded / t + routed
+    return (norm_inputs + masks + gemm_inputs + projection_output) / sp + tensor_sharded / t + routed
 
 
 def mla_saved_elements(model: ModelConfig, layout: Layout) -> tuple[float, float, float]:

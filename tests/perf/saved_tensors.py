@@ -9,10 +9,11 @@ import torch
 B, S, H, HEADS = 2, 96, 320, 4      # b*s, h and ffn (4h) all differ, so shapes tell tensors apart
 
 
-def saved_block_bytes(preset: str, *, compiled: bool, fp8_recipe: str | None = None, tp: int = 1):
+def saved_block_bytes(preset: str, *, compiled: bool, fp8_recipe: str | None = None, tp: int = 1,
+                      sequence_parallel: bool = False):
     """(bytes saved for backward by one block of `preset` at B x S x H, its ModelConfig); with `tp` > 1
-    this rank's share (no sequence parallelism), run under a process group of that many ranks
-    (tests/dist/launcher.py)."""
+    this rank's share (its sequence shard under `sequence_parallel`), run under a process group of
+    that many ranks (tests/dist/launcher.py)."""
     from tessera.cli.args import parse_run_config
     from tessera.config import ParallelConfig
     from tessera.kernels.fp8 import Fp8Recipe
@@ -26,7 +27,7 @@ def saved_block_bytes(preset: str, *, compiled: bool, fp8_recipe: str | None = N
                                   "--attention-dropout", "0", "--lr", "1e-3", "--train-iters", "1", "--mock-data"],
                                  "test")
     tp_group = Mesh.build(ParallelConfig(tensor_model_parallel_size=tp), "cpu").tp_group if tp > 1 else None
-    model = GPTModel(config.model, tp_group=tp_group)
+    model = GPTModel(config.model, tp_group=tp_group, sequence_parallel=sequence_parallel)
     block = model.layers[0]
     if fp8_recipe:
         apply_fp8([(0, block)], Fp8Recipe(format="hybrid", recipe=fp8_recipe), set(), B * S)
@@ -34,14 +35,15 @@ def saved_block_bytes(preset: str, *, compiled: bool, fp8_recipe: str | None = N
         block.compile()
     weight_shapes = {tuple(p.shape) for p in block.parameters()} | {tuple(p.shape[::-1]) for p in block.parameters()}
     saved = {}   # storage -> bytes: a saved view (V inside the fused QKV output) keeps all of it alive
+    smallest = B * S * H // tp   # bytes; a TP shard of a [B, S, H] bf16 activation is twice that
 
     def pack(tensor):
         storage = tensor.untyped_storage()
-        if tuple(tensor.shape) not in weight_shapes and storage.nbytes() >= 2 * B * S * H:
+        if tuple(tensor.shape) not in weight_shapes and storage.nbytes() > smallest:
             saved[storage.data_ptr()] = storage.nbytes()
         return tensor
 
-    x = torch.randn(B, S, H, requires_grad=True)
+    x = torch.randn(B, S // tp if sequence_parallel else S, H, requires_grad=True)
     rope = model.rotary(S, None) if model.rotary is not None else None
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         block(x, rope)

@@ -106,15 +106,18 @@ def test_tessera_layer_activations_are_what_autograd_saves(preset, compiled):
     assert saved == pytest.approx(layer_activation_bytes(model, layout, saved_tensors.S), rel=0.005)
 
 
-def test_tensor_parallel_layer_activations_are_what_autograd_saves():
-    """The same oracle on each of two TP ranks (gloo), a compiled LLaMA block at TP=2 without SP.
-    (Under SP the model counts both the QKV and the fc1 input all-gathered; a compiled block keeps
-    one of them as its shard: 2sbh(1 - 1/t) bytes a layer less than predicted, not yet modelled.)"""
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp-sp"])
+def test_tensor_parallel_layer_activations_are_what_autograd_saves(sequence_parallel):
+    """The same oracle on each of two TP ranks (gloo), a compiled LLaMA block at TP=2: without SP
+    the QKV and fc1 inputs are whole on every rank, under SP they are kept all-gathered, and the
+    attention projection's output (which the compiled block keeps) is a sequence shard."""
     from tests.dist.launcher import run_distributed
 
-    saved = run_distributed(functools.partial(saved_tensors.saved_block_bytes, compiled=True, tp=2), 2, "llama-1.2b")
+    saved = run_distributed(functools.partial(saved_tensors.saved_block_bytes, compiled=True, tp=2,
+                                              sequence_parallel=sequence_parallel), 2, "llama-1.2b")
     model = saved_tensors.saved_block_bytes("llama-1.2b", compiled=True)[1]
-    layout = Layout(tp=2, micro_batch_size=saved_tensors.B, compiled=True, framework="tessera")
+    layout = Layout(tp=2, micro_batch_size=saved_tensors.B, compiled=True, framework="tessera",
+                    sequence_parallel=sequence_parallel)
     expected = layer_activation_bytes(model, layout, saved_tensors.S)
     for rank_saved, _ in saved:
         assert rank_saved == pytest.approx(expected, rel=0.005)
