@@ -70,9 +70,8 @@ class Engine:
     padding rows from sampling. On CUDA, decode steps replay CUDA graphs (`cuda_graphs`) of the
     decode step compiled with torch.compile (`compile`; the first step of each new batch
     shape captures its graph, and the first one compiles, tens of seconds for a 1B model).
-    Steps of fresh prompts replay CUDA graphs of their own; with `compile`, steps that mix
-    prompts and decode rows run through the model compiled whole, each kind compiling on
-    its first use (tessera.inference.runner).
+    Steps of new prompts replay CUDA graphs of their own (bf16 and fp16), beside the decode
+    graphs when decode rows share the step (tessera.inference.runner).
     When every running request decodes greedily (no penalties, no log-probs) and none waits,
     up to `decode_steps` steps run back to back on the device (replays of one CUDA graph on
     CUDA) and their tokens come in one output; a request that ends within them keeps its

@@ -7,14 +7,11 @@ Only the last token of a row that finishes its prompt (or decodes) goes through 
 
 Steps where every row decodes one token run through `DecodeGraphs` on CUDA (CUDA graphs
 of the compiled decode step; several greedy steps back to back where the engine asks),
-steps of fresh prompts alone through `PromptGraphs` (CUDA graphs of the eager step, padded;
-bf16 and fp16). Eager, config B's 24 layers cost ~30 ms of host time per prompt on an H200
-whatever its length (the GPU needs 1.7 ms for 128 tokens); each block compiled on its own
-still ~19 ms (~0.8 ms of guards and launches a block); the model compiled whole ~11 ms. So
-the other steps with prompts (beside decode rows) run through the model compiled whole
-where compiling is asked: its shapes are dynamic, so it compiles once per kind of step;
-steps with continued rows (later chunks, prompts after a cached prefix) stay eager, since
-each number of them would be a new graph.
+fresh prompts through `PromptGraphs` (CUDA graphs of the eager step, padded; bf16 and fp16),
+and a step of both as one pass of each. Eager, config B's 24 layers cost ~30 ms of host time
+per prompt step on an H200 whatever its length (the GPU needs 1.7 ms for 128 tokens); a
+second pass over the weights costs ~0.6 ms. Steps with continued rows (later chunks of a
+prompt, prompts after a cached prefix) run in one eager pass.
 """
 
 from __future__ import annotations
@@ -78,8 +75,6 @@ class ModelRunner:
         parameter = next(model.parameters())
         self.device, self.dtype = parameter.device, parameter.dtype
         self.fused = fused_decode.supported(model)   # single-row decode steps through fused kernels
-        self.prompt_forward = torch.compile(forward_tokens, dynamic=True) if compile and self.device.type == "cuda" \
-            else forward_tokens
         self.graphs = self.prompt_graphs = None
         if cuda_graphs and self.device.type == "cuda":
             varlen = default_backend(self.device, self.dtype, dropout=False) == "varlen"
@@ -138,37 +133,51 @@ class ModelRunner:
         return torch.tensor([t + [NULL_BLOCK] * (width - len(t)) for t in tables], device=self.device)
 
     def _mixed(self, rows: Sequence[ScheduledRow]) -> torch.Tensor:
-        """Any rows: decode rows first, then fresh prompts, then continued ones (paged_attention's layout)."""
+        """Any rows: decode rows first, then fresh prompts, then continued ones (paged_attention's
+        layout) in one eager pass; without continued rows and with prompt graphs, two graphed ones."""
         decode = [r for r in rows if r.count == 1]
         fresh = [r for r in rows if r.count > 1 and r.start == 0]
         continued = [r for r in rows if r.count > 1 and r.start > 0]
+        if self.prompt_graphs is not None and not continued and self.prompt_graphs.fits([r.count for r in fresh]):
+            return self._decode_then_prompts(rows, decode, fresh)
         ordered = decode + fresh + continued
-        ids, positions, slots, ends, total = [], [], [], [], 0
-        for row in ordered:
-            span = torch.arange(row.start, row.start + row.count)
-            blocks = torch.tensor(row.request.blocks)
-            ids.append(torch.tensor(row.request.tokens(row.start, row.start + row.count)))
-            positions.append(span)
-            slots.append(blocks[span // self.cache.block_size] * self.cache.block_size + span % self.cache.block_size)
-            total += row.count
-            ends.append(total - 1)
-        sampling = [i for i, row in enumerate(ordered) if row.samples]
-        lengths = [r.count for r in fresh]
-        if self.prompt_graphs is not None and not decode and not continued and self.prompt_graphs.fits(lengths):
-            logits = self.prompt_graphs(torch.cat(ids), torch.cat(positions), torch.cat(slots), lengths)
-            return logits[torch.tensor(sampling, device=self.device)]   # fresh rows keep the order of `rows`
+        ids, positions, slots = self._token_inputs(ordered)
         to_device = lambda parts: torch.cat(parts).to(self.device)  # noqa: E731
         step = StepAttention(self.cache.pools, self.cache.block_size, to_device(slots))
         if decode:
             step.decode_tables = self._padded([r.request.blocks for r in decode])
             step.decode_positions = torch.tensor([r.start for r in decode], device=self.device)
-        step.fresh = StepAttention.fresh_documents(lengths, self.device, self.dtype)
+        step.fresh = StepAttention.fresh_documents([r.count for r in fresh], self.device, self.dtype)
         step.continued = [ContinuedRow(r.count, r.start + r.count,
                                        torch.tensor(r.request.blocks, device=self.device)) for r in continued]
-        logit_index = torch.tensor([ends[i] for i in sampling], dtype=torch.int64, device=self.device)
-        forward = forward_tokens if continued else self.prompt_forward
-        logits = forward(self.model, to_device(ids)[None], to_device(positions)[None], step, logit_index)
+        ends = torch.tensor([r.count for r in ordered]).cumsum(0) - 1
+        sampling = [i for i, row in enumerate(ordered) if row.samples]
+        logits = forward_tokens(self.model, to_device(ids)[None], to_device(positions)[None], step,
+                                ends[sampling].to(self.device))
         # back to the order of `rows`
         position_of = {id(ordered[i]): j for j, i in enumerate(sampling)}
         order = [position_of[id(row)] for row in rows if row.samples]
         return logits[torch.tensor(order, dtype=torch.int64, device=self.device)]
+
+    def _decode_then_prompts(self, rows: Sequence[ScheduledRow], decode: list[ScheduledRow],
+                             fresh: list[ScheduledRow]) -> torch.Tensor:
+        """The decode rows through the decode graphs, then the fresh prompts through the prompt
+        graphs: the weights are read twice (~0.6 ms for config B on an H200), where one eager
+        pass costs ~30 ms of host time and compiling each mix of the two a new graph."""
+        logits = dict(zip(map(id, decode), self._decode(decode))) if decode else {}
+        ids, positions, slots = (torch.cat(parts) for parts in self._token_inputs(fresh))
+        prompt_logits = self.prompt_graphs(ids, positions, slots, [r.count for r in fresh])
+        logits.update(zip(map(id, fresh), prompt_logits))
+        picked = [logits[id(row)] for row in rows if row.samples]
+        return torch.stack(picked) if picked else prompt_logits[:0]
+
+    def _token_inputs(self, rows: Sequence[ScheduledRow]) -> tuple[list, list, list]:
+        """Each row's token ids, positions and cache slots (host tensors)."""
+        ids, positions, slots = [], [], []
+        for row in rows:
+            span = torch.arange(row.start, row.start + row.count)
+            blocks = torch.tensor(row.request.blocks)
+            ids.append(torch.tensor(row.request.tokens(row.start, row.start + row.count)))
+            positions.append(span)
+            slots.append(blocks[span // self.cache.block_size] * self.cache.block_size + span % self.cache.block_size)
+        return ids, positions, slots

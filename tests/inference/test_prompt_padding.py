@@ -1,6 +1,8 @@
 """The padded layout that PromptGraphs replays (tessera.inference.cuda_graphs): its documents
 hold every prompt where it was and no empty one, and the padded step computes what the
-unpadded step computes. Run eagerly here (CPU, fp32); the graphs' replay is tests/gpu's."""
+unpadded step computes; an engine whose steps of decode rows and prompts run as two passes
+(the runner's path with prompt graphs) generates what the one-pass engine generates. Run
+eagerly here (CPU, fp32); the graphs' replay is tests/gpu's."""
 
 import copy
 import random
@@ -10,9 +12,11 @@ import torch
 
 from tessera.config import ModelConfig
 from tessera.inference.cuda_graphs import padded_prompts, row_bucket, token_bucket
+from tessera.inference.engine import Engine
 from tessera.inference.kv_cache import PagedKVCache
 from tessera.inference.paged_attention import StepAttention
 from tessera.inference.runner import forward_tokens
+from tessera.inference.sampling import SamplingParams
 from tessera.models.documents import Documents
 from tessera.models.gpt import GPTModel, initialize_parameters
 
@@ -66,3 +70,46 @@ def test_the_padded_step_equals_the_unpadded_one(lengths):
     for index in caches[0].pools:
         for e, a in zip(caches[0].pools[index], caches[1].pools[index]):
             torch.testing.assert_close(a[block_size:], e[block_size:], rtol=0, atol=0)   # beyond the null block
+
+
+class EagerPromptGraphs:
+    """PromptGraphs' interface, padded as the graphs pad but run eagerly; counts its calls."""
+
+    def __init__(self, model, cache):
+        self.model, self.cache, self.calls = model, cache, []
+
+    def fits(self, lengths):
+        return True
+
+    def __call__(self, ids, positions, slots, lengths):
+        self.calls.append(list(lengths))
+        tokens, bounds = padded_prompts(lengths)
+        padding = torch.zeros(tokens - len(ids), dtype=torch.int64)
+        step = StepAttention(self.cache.pools, self.cache.block_size, torch.cat([slots, padding]))
+        step.fresh = Documents.from_cu_seqlens(torch.tensor(bounds), 1, tokens, backend="per_document", device="cpu")
+        return forward_tokens(self.model, torch.cat([ids, padding])[None], torch.cat([positions, padding])[None],
+                              step, torch.tensor(bounds[1:]) - 1)[:len(lengths)]
+
+
+def test_decode_rows_and_prompts_in_two_passes_generate_what_one_pass_generates():
+    model = GPTModel(ModelConfig(**CONFIG))
+    initialize_parameters(model, seed=2)
+    model.eval()
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 100, (n,), generator=generator).tolist() for n in (6, 30, 2, 11, 19, 40)]
+    params = [SamplingParams(max_tokens=9, temperature=0, logprobs=2),
+              SamplingParams(max_tokens=9, temperature=0.9, seed=4, logprobs=2)] * 3
+
+    def generate(two_passes: bool):
+        # a token budget that makes steps of decode rows beside new prompts, and chunked prompts
+        engine = Engine(model, max_requests=4, block_size=4, max_batched_tokens=24, prefix_caching=False)
+        if two_passes:
+            engine.runner.prompt_graphs = EagerPromptGraphs(model, engine.cache)
+        return engine.generate(prompts, params), engine.runner.prompt_graphs
+
+    expected, _ = generate(False)
+    actual, graphs = generate(True)
+    assert len(graphs.calls) >= 3 and any(len(lengths) > 1 for lengths in graphs.calls)
+    for e, a in zip(expected, actual):
+        assert a.token_ids == e.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(e.logprobs), rtol=0, atol=1e-5)
