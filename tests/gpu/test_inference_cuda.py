@@ -96,3 +96,27 @@ def test_bf16_prompt_graph_logits_follow_the_eager_prompt_step():
     engine.runner.prompt_graphs = None
     eager = engine.runner.run(rows)
     assert ((graphed - eager).norm() / eager.norm()).item() < 3e-2
+
+
+def test_bf16_decode_rows_beside_new_prompts_follow_the_eager_step():
+    """bf16: a step of two decode rows and two new prompts, as two graphed passes (decode graphs,
+    then prompt graphs) against one eager pass; bf16 rounding only, bound 3%."""
+    with torch.device("cuda"):
+        model = GPTModel(ModelConfig(**CONFIG))
+    initialize_parameters(model, seed=4)
+    model.to(torch.bfloat16)
+    engine = Engine(model, max_requests=8, block_size=16, compile=False, decode_steps=1)
+    generator = torch.Generator().manual_seed(5)
+    prompt = lambda n: torch.randint(0, 512, (n,), generator=generator).tolist()  # noqa: E731
+    for i, n in enumerate((12, 40)):
+        engine.add_request(f"early-{i}", prompt(n), SamplingParams(max_tokens=8, temperature=0))
+    engine.step()
+    for i, n in enumerate((25, 7)):
+        engine.add_request(f"late-{i}", prompt(n), SamplingParams(max_tokens=8, temperature=0))
+    rows = engine.scheduler.schedule()
+    assert [(row.start, row.count) for row in rows] == [(12, 1), (40, 1), (0, 25), (0, 7)]
+    graphed = engine.runner.run(rows)
+    engine.runner.prompt_graphs = None
+    eager = engine.runner.run(rows)
+    assert graphed.shape == eager.shape == (4, 512)
+    assert ((graphed - eager).norm() / eager.norm()).item() < 3e-2
