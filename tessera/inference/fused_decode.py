@@ -1,4 +1,4 @@
-"""The decode step of a single request through fused kernels: seven launches a layer.
+"""The decode step of a single request through fused kernels: six launches a layer.
 
 At batch 1 a decode step reads every weight once and does almost nothing else, so its time
 is the weights' bytes over the bandwidth plus a gap per kernel. Through the model's own
@@ -6,8 +6,8 @@ modules (compiled by inductor) a LLaMA-style layer is ~11 kernels: the norms, th
 cache writes and SwiGLU between the GEMVs. Here each layer is
 
     norm_gemv     residual += previous branch, RMSNorm, QKV projection
-    rotate_and_cache   RoPE on q and k, k and v into the cache
-    paged_decode_attention (two kernels: the context's splits, their merge)
+    rotate_cache_and_attend   RoPE on q and k, k and v into the cache, attention (two
+                  kernels: the context's splits, their merge)
     gemv          output projection
     norm_gemv     residual += attention, RMSNorm, fc1 ([gate | up])
     swiglu_gemv   SiLU(gate) * up, fc2
@@ -73,11 +73,9 @@ def decode_logits(model: GPTModel, input_ids: torch.Tensor, positions: torch.Ten
         keys, values = step.pools[index]
         residual, qkv = gemv.norm_gemv(residual, delta, block.input_norm.weight, _eps(block.input_norm, dtype),
                                        attention.qkv.weight)
-        q = paged_decode.rotate_and_cache(qkv, model.rotary.cos, model.rotary.sin, keys, values,
-                                          step.decode_tables, positions, step.block_size, attention.num_heads,
-                                          attention.num_groups, attention.head_dim)
-        out = paged_decode.paged_decode_attention(q, keys, values, step.decode_tables, positions,
-                                                  step.block_size, attention.head_dim ** -0.5)
+        out = paged_decode.rotate_cache_and_attend(qkv[None], model.rotary.cos, model.rotary.sin, keys, values,
+                                                   step.decode_tables, positions, step.block_size,
+                                                   attention.num_heads, attention.head_dim ** -0.5)
         delta = gemv.gemv(out.view(-1), attention.proj.weight)
         residual, gate_up = gemv.norm_gemv(residual, delta, block.post_attention_norm.weight,
                                            _eps(block.post_attention_norm, dtype), mlp.fc1.weight)

@@ -1,8 +1,8 @@
 """Decode attention straight from the paged KV cache: one new token per request, two Triton kernels.
 
     out = paged_decode_attention(q, key_pool, value_pool, tables, positions, block_size, scale)
-    q = rotate_and_cache(qkv, cos_table, sin_table, key_pool, value_pool, table, position, block_size,
-                         heads, groups, head_dim)   # one request
+    out = rotate_cache_and_attend(qkv, cos_table, sin_table, key_pool, value_pool, tables, positions,
+                                  block_size, heads, scale)   # from the QKV projection's output
 
 q [rows, heads, d], the query of row r's new token at position `positions[r]`, attends to
 positions 0..positions[r] of the row's context, whose position p lives in pool slot
@@ -20,15 +20,16 @@ and sum; a second kernel merges the splits of each (row, head). The number of sp
 depends only on the block table's width, so a CUDA graph captured for one table width
 replays for any lengths up to it.
 
-`rotate_and_cache` is what comes before it for a single request (the fused decode step of
-tessera.inference.fused_decode): the fused QKV projection's output of one token, its query
-and key heads rotated (RoPE, rotate-half, over the first `cos_table.shape[1]` channels), the
-query returned and the key and value written into their pool slot, in one kernel instead of
-the rotation and the two scatters. Both take the new tokens' positions (and the whole RoPE
-tables) rather than context lengths, slots or cos/sin rows computed from them: under
-torch.compile such small index computations are recomputed before every layer's kernel
-(~60 us a step at batch 1, measured on an H200). All three kernels launch with programmatic
-dependent launch on Hopper (tessera.kernels.gemv).
+`rotate_cache_and_attend` starts from the fused QKV projection's output instead (the fused
+decode step of tessera.inference.fused_decode): every program rotates its group's query
+heads (RoPE, rotate-half, over the first `cos_table.shape[1]` channels) and the new key, the
+program whose split holds the new position writes the key and value into their pool slot,
+and all use the new key and value from registers: the rotation and the cache write cost no
+kernel of their own (a separate one was ~1.2 us a layer, its gaps besides). Both take the new
+tokens' positions (and the whole RoPE tables) rather than context lengths, slots or cos/sin
+rows computed from them: under torch.compile such small index computations are recomputed
+before every layer's kernel (~60 us a step at batch 1, measured on an H200). The kernels
+launch with programmatic dependent launch on Hopper (tessera.kernels.gemv).
 """
 
 from __future__ import annotations
@@ -65,21 +66,45 @@ def split_length(rows: int, groups: int, positions: int) -> int:
 if triton is not None:
 
     @triton.jit
-    def _split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, positions_ptr, partial_ptr, stats_ptr,
+    def _rotated(base, d, cos, sin, mask, ROTARY: tl.constexpr):
+        """RoPE (rotate-half) over the first ROTARY channels of the vectors at base + d, in their dtype."""
+        half = ROTARY // 2
+        x = tl.load(base + d, mask=mask, other=0.0)
+        partner = tl.load(base + tl.where(d < half, d + half, d - half), mask=mask & (d < ROTARY), other=0.0)
+        rotated = x * cos.to(x.dtype) + tl.where(d < half, -partner, partner) * sin.to(x.dtype)   # as apply_rotary
+        return tl.where(d < ROTARY, rotated, x)
+
+    @triton.jit
+    def _split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, positions_ptr, partial_ptr, stats_ptr, cos_ptr, sin_ptr,
                       q_row_stride, q_head_stride, k_slot_stride, k_head_stride, v_slot_stride, v_head_stride,
-                      table_stride, scale,
+                      table_stride, rope_stride, scale,
                       HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                       DIM: tl.constexpr, DIM_PAD: tl.constexpr, DIM_V: tl.constexpr, DIM_V_PAD: tl.constexpr,
                       BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, SPLITS: tl.constexpr,
-                      CHUNK: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+                      CHUNK: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr, ROTARY: tl.constexpr):
         wait_for_previous_kernel(PDL)
         row, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         length = tl.load(positions_ptr + row) + 1
         member = tl.arange(0, GROUP_PAD)
         heads = kv_head * GROUP + member
         d, dv = tl.arange(0, DIM_PAD), tl.arange(0, DIM_V_PAD)
-        q = tl.load(q_ptr + row * q_row_stride + heads[:, None] * q_head_stride + d[None, :],
-                    mask=(member[:, None] < GROUP) & (d[None, :] < DIM), other=0.0)
+        q_mask = (member[:, None] < GROUP) & (d[None, :] < DIM)
+        if ROTARY:   # q_ptr is the QKV projection's output: rotate q and the new key, cache the key and value
+            cos = tl.load(cos_ptr + (length - 1) * rope_stride + d, mask=d < ROTARY, other=1.0)
+            sin = tl.load(sin_ptr + (length - 1) * rope_stride + d, mask=d < ROTARY, other=0.0)
+            q = _rotated(q_ptr + row * q_row_stride + heads[:, None] * DIM, d[None, :], cos[None, :], sin[None, :],
+                         q_mask, ROTARY)
+            new_key = _rotated(q_ptr + row * q_row_stride + (HEADS + kv_head) * DIM, d, cos, sin, d < DIM, ROTARY)
+            new_value = tl.load(q_ptr + row * q_row_stride + (HEADS + HEADS // GROUP + kv_head) * DIM + dv,
+                                mask=dv < DIM_V, other=0.0)
+            last = length - 1
+            if split == last // SPLIT:   # the one program whose positions hold the new token
+                slot = tl.load(tables_ptr + row * table_stride + last // BLOCK_SIZE) * BLOCK_SIZE + last % BLOCK_SIZE
+                tl.store(k_ptr + slot * k_slot_stride + kv_head * k_head_stride + d, new_key, mask=d < DIM)
+                tl.store(v_ptr + slot * v_slot_stride + kv_head * v_head_stride + dv, new_value, mask=dv < DIM_V)
+        else:
+            q = tl.load(q_ptr + row * q_row_stride + heads[:, None] * q_head_stride + d[None, :], mask=q_mask,
+                        other=0.0)
         running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         running_sum = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, DIM_V_PAD], tl.float32)
@@ -90,6 +115,8 @@ if triton is not None:
             slot = block * BLOCK_SIZE + position % BLOCK_SIZE
             keys = tl.load(k_ptr + slot[:, None] * k_slot_stride + kv_head * k_head_stride + d[None, :],
                            mask=valid[:, None] & (d[None, :] < DIM), other=0.0)
+            if ROTARY:   # the new token's key is not read back from the cache this kernel writes
+                keys = tl.where((position == length - 1)[:, None], new_key[None, :], keys)
             scores = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scale     # [GROUP_PAD, CHUNK]
             scores = tl.where(valid[None, :], scores, float("-inf"))
             new_max = tl.maximum(running_max, tl.max(scores, 1))
@@ -99,6 +126,8 @@ if triton is not None:
             running_sum = running_sum * correction + tl.sum(probs, 1)
             values = tl.load(v_ptr + slot[:, None] * v_slot_stride + kv_head * v_head_stride + dv[None, :],
                              mask=valid[:, None] & (dv[None, :] < DIM_V), other=0.0)
+            if ROTARY:
+                values = tl.where((position == length - 1)[:, None], new_value[None, :], values)
             acc = acc * correction[:, None] + tl.dot(probs.to(values.dtype), values, input_precision=PRECISION)
             running_max = new_max
         # partial [rows, heads, splits, DIM_V], stats [rows, heads, splits, 2] = (max, sum)
@@ -129,15 +158,12 @@ if triton is not None:
     def _pad(n: int, low: int = 16) -> int:
         return max(low, triton.next_power_of_2(n))
 
-    @torch.library.custom_op("tessera::paged_decode_attention", mutates_args=())
-    def paged_decode_attention(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
-                               tables: torch.Tensor, positions: torch.Tensor, block_size: int,
-                               scale: float) -> torch.Tensor:
-        """q [rows, heads, d]; pools [slots, kv heads, d | d_v]; tables [rows, blocks] and positions
-        [rows] int64 -> [rows, heads, d_v] in q's dtype."""
-        q = q if q.stride(-1) == 1 else q.contiguous()
-        rows, heads, dim = q.shape
-        groups, dim_v = key_pool.shape[1], value_pool.shape[2]
+    def _attend(q, key_pool, value_pool, tables, positions, block_size: int, scale: float, heads: int,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The split and merge kernels; q is [rows, heads, d], or with `rope` (the cos and sin
+        tables) the QKV projection's output [rows, (heads + 2 groups) d] of the new tokens."""
+        rows = q.shape[0]
+        groups, dim, dim_v = key_pool.shape[1], key_pool.shape[2], value_pool.shape[2]
         context = tables.shape[1] * block_size
         split = split_length(rows, groups, context)
         splits = math.ceil(context / split)
@@ -145,66 +171,43 @@ if triton is not None:
         stats = torch.empty(rows, heads, splits, 2, dtype=torch.float32, device=q.device)
         out = torch.empty(rows, heads, dim_v, dtype=q.dtype, device=q.device)
         tables = tables.contiguous()
-        precision = "ieee" if q.dtype == torch.float32 else "tf32"
+        cos, sin = rope if rope is not None else (stats, stats)   # unread without rope
         _split_kernel[(rows, groups, splits)](
-            q, key_pool, value_pool, tables, positions, partial, stats,
-            q.stride(0), q.stride(1), key_pool.stride(0), key_pool.stride(1), value_pool.stride(0),
-            value_pool.stride(1), tables.stride(0), scale,
+            q, key_pool, value_pool, tables, positions, partial, stats, cos, sin,
+            q.stride(0), q.stride(1) if rope is None else dim, key_pool.stride(0), key_pool.stride(1),
+            value_pool.stride(0), value_pool.stride(1), tables.stride(0), cos.stride(0), scale,
             HEADS=heads, GROUP=heads // groups, GROUP_PAD=_pad(heads // groups), DIM=dim, DIM_PAD=_pad(dim),
             DIM_V=dim_v, DIM_V_PAD=_pad(dim_v), BLOCK_SIZE=block_size, SPLIT=split, SPLITS=splits,
-            CHUNK=CHUNK, PRECISION=precision, PDL=pdl(q), num_warps=4, launch_pdl=pdl(q))
+            CHUNK=CHUNK, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl(q),
+            ROTARY=0 if rope is None else cos.shape[1], num_warps=4, launch_pdl=pdl(q))
         _merge_kernel[(rows, heads)](partial, stats, out, out.stride(0), out.stride(1), HEADS=heads, SPLITS=splits,
                                      SPLITS_PAD=_pad(splits, 2), DIM_V=dim_v, DIM_V_PAD=_pad(dim_v), PDL=pdl(q),
                                      num_warps=4, launch_pdl=pdl(q))
         return out
 
+    @torch.library.custom_op("tessera::paged_decode_attention", mutates_args=())
+    def paged_decode_attention(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
+                               tables: torch.Tensor, positions: torch.Tensor, block_size: int,
+                               scale: float) -> torch.Tensor:
+        """q [rows, heads, d]; pools [slots, kv heads, d | d_v]; tables [rows, blocks] and positions
+        [rows] int64 -> [rows, heads, d_v] in q's dtype."""
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        return _attend(q, key_pool, value_pool, tables, positions, block_size, scale, q.shape[1])
+
     @paged_decode_attention.register_fake
     def _(q, key_pool, value_pool, tables, positions, block_size, scale):
         return q.new_empty(q.shape[0], q.shape[1], value_pool.shape[2])
 
-    @triton.jit
-    def _rotate_and_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, tables_ptr, position_ptr, q_ptr, k_ptr, v_ptr,
-                                 rope_stride, k_slot_stride, k_head_stride, v_slot_stride, v_head_stride,
-                                 HEADS: tl.constexpr, GROUPS: tl.constexpr, DIM: tl.constexpr,
-                                 DIM_PAD: tl.constexpr, ROTARY: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                                 PDL: tl.constexpr):
-        wait_for_previous_kernel(PDL)
-        head = tl.program_id(0)   # query heads, then key heads, then value heads: qkv's layout
-        position = tl.load(position_ptr)
-        d = tl.arange(0, DIM_PAD)
-        x = tl.load(qkv_ptr + head * DIM + d, mask=d < DIM, other=0.0)
-        half = ROTARY // 2
-        rotates = (d < ROTARY) & (head < HEADS + GROUPS)
-        partner = tl.load(qkv_ptr + head * DIM + tl.where(d < half, d + half, d - half), mask=rotates, other=0.0)
-        cos = tl.load(cos_ptr + position * rope_stride + d, mask=rotates, other=1.0).to(x.dtype)
-        sin = tl.load(sin_ptr + position * rope_stride + d, mask=rotates, other=0.0).to(x.dtype)
-        rotated = x * cos + tl.where(d < half, -partner, partner) * sin   # in x's dtype, as apply_rotary
-        x = tl.where(rotates, rotated, x)
-        slot = tl.load(tables_ptr + position // BLOCK_SIZE) * BLOCK_SIZE + position % BLOCK_SIZE
-        tl.store(q_ptr + head * DIM + d, x, mask=(d < DIM) & (head < HEADS))
-        group = head - HEADS
-        tl.store(k_ptr + slot * k_slot_stride + group * k_head_stride + d, x,
-                 mask=(d < DIM) & (head >= HEADS) & (head < HEADS + GROUPS))
-        group = head - HEADS - GROUPS
-        tl.store(v_ptr + slot * v_slot_stride + group * v_head_stride + d, x,
-                 mask=(d < DIM) & (head >= HEADS + GROUPS))
+    @torch.library.custom_op("tessera::rotate_cache_and_attend", mutates_args=("key_pool", "value_pool"))
+    def rotate_cache_and_attend(qkv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+                                key_pool: torch.Tensor, value_pool: torch.Tensor, tables: torch.Tensor,
+                                positions: torch.Tensor, block_size: int, heads: int, scale: float) -> torch.Tensor:
+        """qkv [rows, (heads + 2 groups) d], the QKV projection's output of each row's new token at
+        `positions`; the RoPE tables [positions, rotary dim] -> attention [rows, heads, d], the new
+        keys (rotated) and values written into the pools."""
+        return _attend(qkv.contiguous(), key_pool, value_pool, tables, positions, block_size, scale, heads,
+                       (cos_table, sin_table))
 
-    @torch.library.custom_op("tessera::rotate_and_cache", mutates_args=("key_pool", "value_pool"))
-    def rotate_and_cache(qkv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
-                         key_pool: torch.Tensor, value_pool: torch.Tensor, tables: torch.Tensor,
-                         position: torch.Tensor, block_size: int, heads: int, groups: int,
-                         head_dim: int) -> torch.Tensor:
-        """qkv [(heads + 2 groups) * head_dim] of one token at position [1], the RoPE tables
-        [positions, rotary dim], its block table [1, blocks] -> its rotated query [1, heads, head_dim];
-        its key and value written at the position's slot."""
-        q = torch.empty(1, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-        _rotate_and_cache_kernel[(heads + 2 * groups,)](
-            qkv, cos_table, sin_table, tables.contiguous(), position, q, key_pool, value_pool, cos_table.stride(0),
-            key_pool.stride(0), key_pool.stride(1), value_pool.stride(0), value_pool.stride(1), HEADS=heads,
-            GROUPS=groups, DIM=head_dim, DIM_PAD=_pad(head_dim), ROTARY=cos_table.shape[1], BLOCK_SIZE=block_size,
-            PDL=pdl(qkv), num_warps=1, launch_pdl=pdl(qkv))
-        return q
-
-    @rotate_and_cache.register_fake
-    def _(qkv, cos_table, sin_table, key_pool, value_pool, tables, position, block_size, heads, groups, head_dim):
-        return qkv.new_empty(1, heads, head_dim)
+    @rotate_cache_and_attend.register_fake
+    def _(qkv, cos_table, sin_table, key_pool, value_pool, tables, positions, block_size, heads, scale):
+        return qkv.new_empty(qkv.shape[0], heads, value_pool.shape[2])
