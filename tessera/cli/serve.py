@@ -44,6 +44,10 @@ def main(argv: list[str]) -> int:
     except ImportError as exc:
         fail(PROG, f"{exc.name} is missing: pip install 'tessera[serve]'")
     engine, tokenizer, name, parallel = build_engine(args, PROG)
+    seconds = engine.warm_up()   # every rank alike (under TP they step in lockstep)
+    if parallel is None or parallel.rank == 0:
+        print(f"{PROG}: warmed up in {seconds:.1f} s (compiling the decode step, capturing CUDA graphs)",
+              file=sys.stderr)
     if parallel is None:
         _serve(engine, tokenizer, name, args)
         return 0

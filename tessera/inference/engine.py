@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -246,6 +247,30 @@ class Engine:
                            r.logprobs if r.params.logprobs is not None else None,
                            r.top_logprobs if r.params.logprobs is not None else None, r.finish_reason)
                 for r in requests]
+
+    def warm_up(self) -> float:
+        """Run the kinds of step a server meets on throwaway greedy requests, so that the first real
+        ones do not wait for torch.compile and CUDA graph capture (tens of seconds on a GPU): one
+        request alone (a prompt's graph, the single-row decode step), then two decoding while a
+        third prompt arrives (the batched decode step beside a prompt). Returns the seconds taken;
+        leaves no request behind and the engine's random generator where it was."""
+        if self.has_unfinished_requests():
+            raise ValueError("warm_up runs on an idle engine: requests are queued")
+        start = time.perf_counter()
+        prompt_length = max(1, min(16, self.max_seq_length // 2))
+        params = SamplingParams(max_tokens=max(1, min(4, self.max_seq_length - prompt_length)), temperature=0,
+                                ignore_eos=True)
+        prompts = [[(i + j) % self.vocab_size for j in range(prompt_length)] for i in range(3)]
+        random_state = self._generator.get_state()   # requests without a seed draw theirs from it
+        self.generate(prompts[:1], params)
+        for i, prompt in enumerate(prompts):
+            self.add_request(f"warm-up-{i}", prompt, params)
+            if i == 1:
+                self.step()
+        while self.has_unfinished_requests():
+            self.step()
+        self._generator.set_state(random_state)
+        return time.perf_counter() - start
 
     def _finish_reason(self, request: Request, token: int, new: int) -> str | None:
         """Why `request` ends at `token`, its `new`-th token after those it has, if it does."""

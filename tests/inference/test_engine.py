@@ -224,3 +224,19 @@ def test_generate_wrapper_continues_a_batch_greedily():
     with torch.no_grad():
         expected = model.eval()(out[:, :-1])[:, 5:].argmax(dim=-1)
     assert torch.equal(out[:, 6:], expected)
+
+
+def test_warm_up_leaves_the_engine_as_it_found_it():
+    """After warm_up the engine is idle, every block is free or reusable, and requests (greedy and
+    seedless sampled ones) come out as from an engine that was never warmed up."""
+    model = tiny_model()
+    requests = prompts((17, 7), seed=3)
+    params = [SamplingParams(max_tokens=6, temperature=0), SamplingParams(max_tokens=6, temperature=0.8)]
+    expected = Engine(model, seed=7).generate(requests, params)
+    engine = Engine(model, seed=7)
+    assert engine.warm_up() >= 0 and not engine.has_unfinished_requests()
+    assert engine.cache.allocator.num_free == engine.cache.num_blocks - 1   # all but the null block
+    assert [c.token_ids for c in engine.generate(requests, params)] == [c.token_ids for c in expected]
+    engine.add_request("queued", requests[0], params[0])
+    with pytest.raises(ValueError, match="idle engine"):
+        engine.warm_up()
