@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import os
 import sys
 import types
 import typing
@@ -187,6 +188,13 @@ def parse_run_config(argv: list[str], prog: str = "tessera train", world_size: i
         parser.exit(2, f"{prog}: error: {exc}\n")
 
 
-def fail(prog: str, message: str) -> typing.NoReturn:
-    print(f"{prog}: error: {message}", file=sys.stderr)
+def fail(prog: str, message: str, *, skip_teardown: bool = False) -> typing.NoReturn:
+    """One line naming the problem, exit code 2. `skip_teardown`: exit at once, without the
+    interpreter's shutdown, for when another rank hung: gloo's process-group teardown can then
+    abort the process (SIGABRT instead of code 2; 1 run in several of tests/dist/test_launch.py's
+    hung-rank test under load)."""
+    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    if skip_teardown:
+        sys.stdout.flush()
+        os._exit(2)
     sys.exit(2)

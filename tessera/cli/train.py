@@ -48,9 +48,10 @@ def main(argv: list[str]) -> int:
         trainer.train()
     except RuntimeError as exc:
         if launch.world_size > 1 and _timed_out(exc):
+            trainer.metrics.close()
             fail(PROG, f"rank {launch.rank}: a collective did not complete within --distributed-timeout-minutes "
                        f"({config.parallel.distributed_timeout_minutes:g}) at iteration {trainer.iteration + 1}: "
-                       f"another rank hung or died ({str(exc).strip().splitlines()[0]})")
+                       f"another rank hung or died ({str(exc).strip().splitlines()[0]})", skip_teardown=True)
         raise
     _leave_process_group()
     return 0
