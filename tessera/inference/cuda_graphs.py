@@ -197,8 +197,7 @@ class PromptGraphs:
         [tokens] of the prompts laid end to end."""
         tokens, bounds = padded_prompts(lengths)
         self._fill(ids, positions, slots, bounds)
-        key = (tokens, len(bounds) - 1)
-        graph, logits = self.graphs.get(key) or self._capture(tokens, bounds)
+        graph, logits = self.graphs.get((tokens, len(bounds) - 1)) or self._capture(tokens, bounds)
         graph.replay()
         return logits[:len(lengths)]
 

@@ -16,6 +16,7 @@ prompt, prompts after a cached prefix) run in one eager pass.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Sequence
 
@@ -77,15 +78,14 @@ class ModelRunner:
         self.fused = fused_decode.supported(model)   # single-row decode steps through fused kernels
         self.graphs = self.prompt_graphs = None
         if cuda_graphs and self.device.type == "cuda":
-            varlen = default_backend(self.device, self.dtype, dropout=False) == "varlen"
-            if graphs_supported(model, self.dtype) and varlen:
-                self.prompt_graphs = PromptGraphs(lambda ids, positions, step, last: forward_tokens(
-                    model, ids, positions, step, last), cache.pools, cache.block_size, max_tokens=max_tokens,
-                    max_prompts=max_rows, device=self.device)
             if graphs_supported(model, self.dtype):
                 self.graphs = DecodeGraphs(lambda ids, positions, tables: decode_logits(
                     model, cache, ids, positions, tables, fused=self.fused), max_rows=max_rows, max_blocks=max_blocks,
                     device=self.device, vocab_size=vocab_size, max_steps=decode_steps, compile=compile)
+                if default_backend(self.device, self.dtype, dropout=False) == "varlen":
+                    self.prompt_graphs = PromptGraphs(functools.partial(forward_tokens, model), cache.pools,
+                                                      cache.block_size, max_tokens=max_tokens, max_prompts=max_rows,
+                                                      device=self.device)
             else:
                 warnings.warn("decode runs without CUDA graphs: the MoE layers sync with the host "
                               "(use --moe-grouped-gemm and no expert parallelism)", stacklevel=2)
@@ -154,10 +154,7 @@ class ModelRunner:
         sampling = [i for i, row in enumerate(ordered) if row.samples]
         logits = forward_tokens(self.model, to_device(ids)[None], to_device(positions)[None], step,
                                 ends[sampling].to(self.device))
-        # back to the order of `rows`
-        position_of = {id(ordered[i]): j for j, i in enumerate(sampling)}
-        order = [position_of[id(row)] for row in rows if row.samples]
-        return logits[torch.tensor(order, dtype=torch.int64, device=self.device)]
+        return _in_order_of(rows, dict(zip((id(ordered[i]) for i in sampling), logits)), logits[:0])
 
     def _decode_then_prompts(self, rows: Sequence[ScheduledRow], decode: list[ScheduledRow],
                              fresh: list[ScheduledRow]) -> torch.Tensor:
@@ -168,8 +165,7 @@ class ModelRunner:
         ids, positions, slots = (torch.cat(parts) for parts in self._token_inputs(fresh))
         prompt_logits = self.prompt_graphs(ids, positions, slots, [r.count for r in fresh])
         logits.update(zip(map(id, fresh), prompt_logits))
-        picked = [logits[id(row)] for row in rows if row.samples]
-        return torch.stack(picked) if picked else prompt_logits[:0]
+        return _in_order_of(rows, logits, prompt_logits[:0])
 
     def _token_inputs(self, rows: Sequence[ScheduledRow]) -> tuple[list, list, list]:
         """Each row's token ids, positions and cache slots (host tensors)."""
@@ -181,3 +177,9 @@ class ModelRunner:
             positions.append(span)
             slots.append(blocks[span // self.cache.block_size] * self.cache.block_size + span % self.cache.block_size)
         return ids, positions, slots
+
+
+def _in_order_of(rows: Sequence[ScheduledRow], logits: dict[int, torch.Tensor], empty: torch.Tensor) -> torch.Tensor:
+    """The logits of the rows that sample, in the order of `rows` (`logits` by id of row; `empty` if none samples)."""
+    picked = [logits[id(row)] for row in rows if row.samples]
+    return torch.stack(picked) if picked else empty
