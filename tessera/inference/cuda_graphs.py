@@ -13,11 +13,15 @@ device inside the graph. Padded rows decode token 0 at position 0 into block 0, 
 the allocator never hands out. Nothing in the step reads the device from the host, so
 the step costs the host only the copies and the replay.
 
-Greedy runs (`greedy_steps`): a second graph per shape ends with the argmax written back into
+Greedy runs (`start_greedy`): a second graph per shape ends with the argmax written back into
 the token-id buffer and the positions advanced, so several decode steps replay back to
 back with no host work between them and their tokens are read once at the end. Without
 that, the host's scheduling and sampling between two steps left the GPU idle for ~20% of
-a batch-1 step and ~25% of a batch-32 one (config B on an H200).
+a batch-1 step and ~25% of a batch-32 one (config B on an H200). A run returns before its
+steps end (`GreedyRun`), and `continue_greedy` queues the next run of the same rows from the
+tokens and positions the last one left on the device: the engine queues it before it reads
+the first, so that the GPU does not wait for the host between runs either (~1.5% of a
+batch-1 step).
 
 Steps of fresh prompts alone (`PromptGraphs`): eagerly, a prompt's step is ~700 kernel
 launches, ~30 ms of host time for config B where the GPU needs ~2 ms. Their tokens are padded
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from typing import Callable, Sequence
 
 import torch
@@ -39,8 +44,29 @@ from tessera.inference.paged_attention import StepAttention
 from tessera.kernels.argmax import argmax_into
 from tessera.models.documents import Documents
 
+POLL_SECONDS = 50e-6   # GreedyRun.tokens' sleep between looks at the device
+
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-PromptForward = Callable[[torch.Tensor, torch.Tensor, StepAttention, torch.Tensor], torch.Tensor]
+PromptPOLL_SECONDS = 50e-6   # GreedyRun.tokens' sleep between looks at the device
+
+Forward = Callable[[torch.Tensor, torch.Tensor, StepAttention, torch.Tensor], torch.Tensor]
+
+
+@dataclasses.dataclass
+class GreedyRun:
+    """Greedy decode steps queued on the device; `tokens()` waits for them."""
+
+    rows: int
+    steps: int
+    host_tokens: torch.Tensor               # [steps, rows], complete once `done` has fired
+    done: torch.cuda.Event | None = None
+
+    def tokens(self) -> list[list[int]]:
+        """Each row's `steps` tokens. The wait polls, sleeping: a server's HTTP thread needs the
+        GIL meanwhile, and the GPU has the next run queued (a few us late cost nothing)."""
+        while self.done is not None and not self.done.query():
+            time.sleep(POLL_SECONDS)
+        return self.host_tokens.T.tolist()
 
 
 def row_bucket(rows: int) -> int:
@@ -72,46 +98,72 @@ class DecodeGraphs:
         self.tokens = torch.zeros(max_steps, self.max_rows, dtype=torch.int64, device=device)   # greedy_steps' out
         self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
+        self._copied = torch.cuda.Event()
+        self._last_run: GreedyRun | None = None
 
     def __call__(self, ids: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]]
                  ) -> torch.Tensor:
-        graph, logits = self._graph(ids, tables, greedy=False)
+        graph, logits = self._graph(len(ids), tables, greedy=False)
         self._fill(ids, positions, tables)
+        self._last_run = None   # its inputs are overwritten
         graph.replay()
         return logits[:len(ids)]
 
-    def greedy_steps(self, ids: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]],
-                     steps: int) -> list[list[int]]:
-        """`steps` greedy decode steps from tokens `ids` at `positions` (the tables covering
-        positions + steps): each row's `steps` next tokens, with one read of the device."""
+    def start_greedy(self, ids: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]],
+                     steps: int) -> GreedyRun:
+        """Queue `steps` greedy decode steps from tokens `ids` at `positions` (the tables covering
+        positions + steps)."""
+        self._fill(ids, positions, tables)
+        return self._run_greedy(len(ids), tables, steps)
+
+    def continue_greedy(self, run: GreedyRun, tables: Sequence[Sequence[int]], steps: int) -> GreedyRun:
+        """Queue `steps` more greedy steps of the rows of `run`, the last run queued, from the tokens and
+        positions it leaves on the device (the tables covering them)."""
+        if run is not self._last_run:
+            raise ValueError("continue_greedy continues the last greedy run queued")
+        self._fill_tables(tables)
+        return self._run_greedy(run.rows, tables, steps)
+
+    def _run_greedy(self, count: int, tables: Sequence[Sequence[int]], steps: int) -> GreedyRun:
         if not 1 <= steps <= self.tokens.shape[0]:
             raise ValueError(f"steps must be in 1..{self.tokens.shape[0]}, got {steps}")
-        graph, _ = self._graph(ids, tables, greedy=True)
-        self._fill(ids, positions, tables)
-        rows = row_bucket(len(ids))
+        graph, _ = self._graph(count, tables, greedy=True)
+        rows = row_bucket(count)
         for step in range(steps):
             graph.replay()
             self.tokens[step, :rows].copy_(self.device_inputs["ids"][:rows])
-        return self.tokens[:steps, :len(ids)].T.tolist()
+        host = torch.empty(steps, count, dtype=torch.int64, pin_memory=True)
+        host.copy_(self.tokens[:steps, :count], non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._last_run = GreedyRun(count, steps, host, done)
+        return self._last_run
 
-    def _graph(self, ids: Sequence[int], tables: Sequence[Sequence[int]], greedy: bool
+    def _graph(self, count: int, tables: Sequence[Sequence[int]], greedy: bool
                ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        rows = row_bucket(len(ids))
+        rows = row_bucket(count)
         blocks = min(block_bucket(max(len(t) for t in tables)), self.max_blocks)
         return self.graphs.get((rows, blocks, greedy)) or self._capture(rows, blocks, greedy)
 
     def _fill(self, ids: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]]) -> None:
+        self._fill_tables(tables)
         rows = row_bucket(len(ids))
-        host = {name: tensor.numpy() for name, tensor in self.host_inputs.items()}
-        host["ids"][:rows] = 0
-        host["positions"][:rows] = 0
-        host["tables"][:rows] = 0
-        host["ids"][:len(ids)] = ids
-        host["positions"][:len(ids)] = positions
+        for name, values in (("ids", ids), ("positions", positions)):
+            host = self.host_inputs[name].numpy()
+            host[:rows] = 0
+            host[:len(ids)] = values
+            self.device_inputs[name][:rows].copy_(self.host_inputs[name][:rows], non_blocking=True)
+        self._copied.record()
+
+    def _fill_tables(self, tables: Sequence[Sequence[int]]) -> None:
+        self._copied.synchronize()   # the host buffers' last copies (runs may still be queued) have been made
+        rows = row_bucket(len(tables))
+        host = self.host_inputs["tables"].numpy()
+        host[:rows] = 0
         for row, table in enumerate(tables):
-            host["tables"][row, :len(table)] = table
-        for name, tensor in self.device_inputs.items():
-            tensor[:rows].copy_(self.host_inputs[name][:rows], non_blocking=True)
+            host[row, :len(table)] = table
+        self.device_inputs["tables"][:rows].copy_(self.host_inputs["tables"][:rows], non_blocking=True)
+        self._copied.record()
 
     def _inputs(self, rows: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         d = self.device_inputs
@@ -125,6 +177,8 @@ class DecodeGraphs:
         return logits
 
     def _capture(self, rows: int, blocks: int, greedy: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Capture a shape's graph; the inputs' buffers are as they were (a greedy run may continue from them)."""
+        saved = {name: tensor.clone() for name, tensor in self.device_inputs.items()}
         inputs = self._inputs(rows, blocks)
         for tensor in inputs:   # padding: every write goes to block 0
             tensor.zero_()
@@ -146,6 +200,8 @@ class DecodeGraphs:
             logits = self._step(*inputs, greedy)
         self._pool = graph.pool()
         self.graphs[(rows, blocks, greedy)] = graph, logits
+        for name, tensor in self.device_inputs.items():
+            tensor.copy_(saved[name])
         return graph, logits
 
 

@@ -30,6 +30,7 @@ from typing import Sequence
 import torch
 
 from tessera.inference.kv_cache import PagedKVCache
+from tessera.inference.cuda_graphs import GreedyRun
 from tessera.inference.runner import ModelRunner
 from tessera.inference.sampling import Sampler, SamplingParams
 from tessera.inference.scheduler import Request, ScheduledRow, Scheduler
@@ -76,7 +77,9 @@ class Engine:
     When every running request decodes greedily (no penalties, no log-probs) and none waits,
     up to `decode_steps` steps run back to back on the device (replays of one CUDA graph on
     CUDA) and their tokens come in one output; a request that ends within them keeps its
-    tokens up to its end.
+    tokens up to its end. While the same requests go on so, the next such run is queued
+    before the host reads one (the GPU never waits for the host between them); a request
+    that ends in a run has the next one's tokens of it dropped.
     """
 
     def __init__(self, model: GPTModel, *, max_requests: int = 64, max_seq_length: int | None = None,
@@ -120,6 +123,7 @@ class Engine:
         self._generator = torch.Generator().manual_seed(seed)
         self._requests: dict[str, Request] = {}
         self._aborted: list[RequestOutput] = []
+        self._greedy_run: tuple[list[ScheduledRow], GreedyRun] | None = None   # queued, its tokens not read
         self._generate_ids = itertools.count()
 
     # -- requests -------------------------------------------------------------------
@@ -166,12 +170,17 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One scheduler step: the outputs of every request that got a token, finished or was aborted."""
         outputs, self._aborted = self._aborted, []
+        if self._greedy_run is not None:
+            outputs += self._collect_greedy_run()
+            if self._greedy_run is not None:   # the next one is queued
+                return outputs
         rows = self.scheduler.schedule()
         if not rows:
             return outputs
         steps = self._greedy_steps(rows)
         if steps > 1:
-            return outputs + self._greedy_run(rows, steps)
+            self._greedy_run = rows, self.runner.start_greedy(rows, steps)
+            return outputs + self._collect_greedy_run()
         logits = self.runner.run(rows)
         self.scheduler.computed(rows)
         requests = [row.request for row in rows if row.samples]
@@ -205,16 +214,40 @@ class Engine:
             return 1
         return steps
 
-    def _greedy_run(self, rows: Sequence[ScheduledRow], steps: int) -> list[RequestOutput]:
-        """`steps` greedy decode steps of every row; each request keeps its tokens up to its end."""
+    def _collect_greedy_run(self) -> list[RequestOutput]:
+        """The tokens of the greedy run in flight, each request's up to its end; the next run of
+        the same rows is queued first where `_next_greedy_steps` allows (then it is in flight)."""
+        rows, run = self._greedy_run
+        steps = self._next_greedy_steps(rows, run.steps)
+        self._greedy_run = None
+        if steps > 1:
+            after = [ScheduledRow(row.request, row.start + run.steps, 1) for row in rows]
+            self._greedy_run = after, self.runner.continue_greedy(run, after, steps)
         outputs = []
-        for row, tokens in zip(rows, self.runner.greedy_steps(rows, steps)):
-            kept = next((n for n in range(1, steps + 1) if self._finish_reason(row.request, tokens[n - 1], n)),
-                        steps)
-            reason = self._append(row.request, tokens[:kept])
-            self.scheduler.computed([ScheduledRow(row.request, row.start, kept)])   # names the blocks it filled
-            outputs.append(self._end(row.request, reason, tokens[:kept], None, None))
+        for row, tokens in zip(rows, run.tokens()):
+            request = row.request
+            if request.finish_reason is not None:   # ended in the run before, or aborted
+                continue
+            kept = next((n for n in range(1, run.steps + 1) if self._finish_reason(request, tokens[n - 1], n)),
+                        run.steps)
+            reason = self._append(request, tokens[:kept])
+            self.scheduler.computed([ScheduledRow(request, row.start, kept)])   # names the blocks it filled
+            outputs.append(self._end(request, reason, tokens[:kept], None, None))
         return outputs
+
+    def _next_greedy_steps(self, rows: Sequence[ScheduledRow], queued: int) -> int:
+        """How many greedy steps to queue after a run of `queued` steps of `rows` before reading it
+        (0: none): while every one of them runs and no other request does or waits, as
+        `_greedy_steps` would give once their tokens are in, supposing none of them ends in the
+        run (one that does has the next run's tokens dropped)."""
+        requests = [row.request for row in rows]
+        if self.scheduler.waiting or len(self.scheduler.running) != len(requests) \
+                or any(r.finish_reason is not None for r in requests):
+            return 0
+        steps = min(self.decode_steps, *(r.params.max_tokens - len(r.output_token_ids) - queued for r in requests))
+        if steps <= 1 or not all(self.scheduler.reserve(row.request, row.start + queued + steps) for row in rows):
+            return 0
+        return steps
 
     def _append(self, request: Request, tokens: list[int]) -> str | None:
         """Give a request its new tokens; why the last one ends it, if it does."""

@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 
 from tessera.inference import fused_decode
-from tessera.inference.cuda_graphs import DecodeGraphs, PromptGraphs
+from tessera.inference.cuda_graphs import DecodeGraphs, GreedyRun, PromptGraphs
 from tessera.inference.kv_cache import NULL_BLOCK, PagedKVCache
 from tessera.inference.paged_attention import ContinuedRow, StepAttention
 from tessera.inference.scheduler import ScheduledRow
@@ -77,6 +77,7 @@ class ModelRunner:
         self.device, self.dtype = parameter.device, parameter.dtype
         self.fused = fused_decode.supported(model)   # single-row decode steps through fused kernels
         self.graphs = self.prompt_graphs = None
+        self._eager_next: tuple[GreedyRun, torch.Tensor, torch.Tensor] | None = None   # continue_greedy's inputs
         if cuda_graphs and self.device.type == "cuda":
             if graphs_supported(model, self.dtype):
                 self.graphs = DecodeGraphs(lambda ids, positions, tables: decode_logits(
@@ -100,20 +101,38 @@ class ModelRunner:
         return logits[:, :self.vocab_size].float()
 
     @torch.no_grad()
-    def greedy_steps(self, rows: Sequence[ScheduledRow], steps: int) -> list[list[int]]:
-        """Each decode row's next `steps` greedy tokens (their blocks reserved), read from the device once."""
+    def start_greedy(self, rows: Sequence[ScheduledRow], steps: int) -> GreedyRun:
+        """Queue each decode row's next `steps` greedy tokens (their blocks reserved)."""
         ids, positions, tables = self._decode_inputs(rows)
         if self.graphs is not None:
-            return self.graphs.greedy_steps(ids, positions, tables, steps)
-        ids, positions, tables = (torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
-                                  self._padded(tables))
+            return self.graphs.start_greedy(ids, positions, tables, steps)
+        return self._eager_greedy(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
+                                  tables, steps)
+
+    @torch.no_grad()
+    def continue_greedy(self, run: GreedyRun, rows: Sequence[ScheduledRow], steps: int) -> GreedyRun:
+        """Queue `steps` more greedy tokens of the rows of `run` (the last run queued), whose tokens the host
+        has not read: `rows` name their requests and the positions after `run` (their blocks reserved)."""
+        tables = [row.request.blocks for row in rows]
+        if self.graphs is not None:
+            return self.graphs.continue_greedy(run, tables, steps)
+        last_run, last_ids, last_positions = self._eager_next
+        if run is not last_run:
+            raise ValueError("continue_greedy continues the last greedy run queued")
+        return self._eager_greedy(last_ids, last_positions, tables, steps)
+
+    def _eager_greedy(self, ids: torch.Tensor, positions: torch.Tensor, tables: Sequence[list[int]],
+                      steps: int) -> GreedyRun:
+        table = self._padded(tables)
         tokens = []
         for _ in range(steps):
-            ids = decode_logits(self.model, self.cache, ids, positions, tables,
+            ids = decode_logits(self.model, self.cache, ids, positions, table,
                                 fused=self.fused)[:, :self.vocab_size].argmax(dim=-1)
             positions = positions + 1
             tokens.append(ids)
-        return torch.stack(tokens, dim=1).tolist()
+        run = GreedyRun(len(tables), steps, torch.stack(tokens))
+        self._eager_next = run, ids, positions
+        return run
 
     @staticmethod
     def _decode_inputs(rows: Sequence[ScheduledRow]) -> tuple[list[int], list[int], list[list[int]]]:

@@ -35,6 +35,15 @@ def prompts(lengths=PROMPT_LENGTHS, seed: int = 0) -> list[list[int]]:
     return [torch.randint(0, 256, (n,), generator=generator).tolist() for n in lengths]
 
 
+def record_greedy_runs(engine: Engine) -> list[tuple[str, int]]:
+    """Wraps an engine's runner: ("start" or "continue", steps) of every greedy run it queues."""
+    runs, runner = [], engine.runner
+    start, resume = runner.start_greedy, runner.continue_greedy
+    runner.start_greedy = lambda rows, n: runs.append(("start", n)) or start(rows, n)
+    runner.continue_greedy = lambda run, rows, n: runs.append(("continue", n)) or resume(run, rows, n)
+    return runs
+
+
 class Recorder:
     """Wraps an engine's sampler: keeps (request id, tokens so far, logits) of every row it samples."""
 
@@ -144,10 +153,9 @@ def test_greedy_steps_back_to_back_give_the_tokens_of_single_steps(preset):
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (30, 8, 25, 6, 11, 3)]
     expected = [c.token_ids for c in Engine(model, block_size=4, decode_steps=1).generate(prompt_list, params)]
     engine = Engine(model, block_size=4, num_blocks=24, max_batched_tokens=16, decode_steps=5)
-    steps = []
-    engine.runner.greedy_steps = lambda rows, n, run=engine.runner.greedy_steps: steps.append(n) or run(rows, n)
+    runs = record_greedy_runs(engine)
     assert [c.token_ids for c in engine.generate(prompt_list, params)] == expected
-    assert steps and max(steps) == 5 and engine.scheduler.preemptions > 0
+    assert max(n for _, n in runs) == 5 and engine.scheduler.preemptions > 0
     cached = engine.scheduler.cached_tokens
     assert [c.token_ids for c in engine.generate(prompt_list, params)] == expected
     assert engine.scheduler.cached_tokens > cached
@@ -156,15 +164,51 @@ def test_greedy_steps_back_to_back_give_the_tokens_of_single_steps(preset):
 def test_requests_with_log_probs_penalties_or_a_queue_step_one_at_a_time():
     model = tiny_model()
     engine = Engine(model, max_requests=1, decode_steps=8)
-    steps = []
-    engine.runner.greedy_steps = lambda rows, n, run=engine.runner.greedy_steps: steps.append(n) or run(rows, n)
+    runs = record_greedy_runs(engine)
     for params in (SamplingParams(max_tokens=6, temperature=0, logprobs=0),
                    SamplingParams(max_tokens=6, temperature=0, repetition_penalty=1.2),
                    SamplingParams(max_tokens=6, temperature=0.7, seed=1)):
         engine.generate(prompts([4]), params)
-    assert steps == []
+    assert runs == []
     engine.generate(prompts([4, 7]), SamplingParams(max_tokens=6, temperature=0))   # the second waits for the first
-    assert steps == [5]   # the second request, alone after the first finished: its 6 - 1 tokens after the prefill
+    assert runs == [("start", 5)]   # the second request, alone after the first finished: its 6 - 1 tokens
+
+
+def test_the_next_greedy_run_is_queued_before_the_host_reads_the_last():
+    """Runs of the same rows follow each other without the host between them: the same tokens as
+    one step at a time; a request that ends (EOS) in a run while the next is queued keeps its
+    tokens up to its end, the others go on; a request aborted while its run is queued gets none
+    of its tokens; a request that arrives waits only for the run in flight."""
+    model = tiny_model()
+    prompt_list = prompts((6, 3, 9))
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    expected = [c.token_ids for c in Engine(model, decode_steps=1).generate(prompt_list, [params] * 3)]
+    engine = Engine(model, block_size=4, decode_steps=4)
+    runs = record_greedy_runs(engine)
+    assert [c.token_ids for c in engine.generate(prompt_list, [params] * 3)] == expected
+    assert runs[:2] == [("start", 4), ("continue", 4)] and runs.count(("start", 4)) == 1   # 39 = 4 * 9 + 3
+    assert runs[-1] == ("continue", 3)
+
+    eos = expected[0][13]   # within the fourth run of 4
+    first = expected[0].index(eos)
+    engine = Engine(model, block_size=4, decode_steps=4, eos_token_ids=[eos])
+    free = engine.cache.allocator.num_free
+    for i, prompt in enumerate(prompt_list):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=i > 0))
+    streams = {f"r{i}": [] for i in range(3)}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            streams[output.request_id] += output.token_ids
+        if len(streams["r1"]) >= 20 and "late" not in streams:
+            assert engine._greedy_run is not None   # a run of r1 is queued
+            engine.abort_request("r1")
+            engine.add_request("late", prompt_list[1], params)
+            streams["late"], aborted_at = [], len(streams["r1"])
+    assert streams["r0"] == expected[0][:first + 1]
+    assert streams["r1"] == expected[1][:aborted_at] and aborted_at < 40
+    assert streams["r2"] == expected[2] and streams["late"] == expected[1]
+    engine.step()   # the last run queued, of finished requests only
+    assert engine._greedy_run is None and engine.cache.allocator.num_free == free
 
 
 def test_aborted_requests_finish_at_the_next_step_and_free_their_blocks():
