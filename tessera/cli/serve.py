@@ -48,8 +48,10 @@ def main(argv: list[str]) -> int:
     if parallel is None or parallel.rank == 0:
         print(f"{PROG}: warmed up in {seconds:.1f} s (compiling the decode step, capturing CUDA graphs)",
               file=sys.stderr)
+    warmed_up = engine.runner.graph_captures()
     if parallel is None:
         _serve(engine, tokenizer, name, args)
+        _report_captures(engine, warmed_up)
         return 0
     from tessera.inference.lockstep import Leader, follow
 
@@ -60,10 +62,19 @@ def main(argv: list[str]) -> int:
     leader = Leader(engine, parallel)
     with leader.serving():
         _serve(leader, tokenizer, name, args)
+    _report_captures(engine, warmed_up)
     if leader.failed:   # the other ranks may be stuck in a collective: exiting non-zero has torchrun end them
         fail(PROG, "the engine failed; see the log above")
     parallel.leave()
     return 0
+
+
+def _report_captures(engine, warmed_up: tuple[int, float]) -> None:
+    """Say at exit how many CUDA graphs were captured while serving: each stalled every request."""
+    count, seconds = engine.runner.graph_captures()
+    if count > warmed_up[0]:
+        print(f"{PROG}: {count - warmed_up[0]} CUDA graphs were captured while serving, the engine stalled "
+              f"{seconds - warmed_up[1]:.1f} s for them (batch shapes the warm-up did not meet)", file=sys.stderr)
 
 
 def _serve(engine, tokenizer, name: str, args) -> None:

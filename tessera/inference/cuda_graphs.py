@@ -100,6 +100,7 @@ class DecodeGraphs:
         self._pool = None
         self._copied = torch.cuda.Event()
         self._last_run: GreedyRun | None = None
+        self.capture_seconds = 0.0   # host time spent capturing (the engine stalls meanwhile)
 
     def __call__(self, ids: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]]
                  ) -> torch.Tensor:
@@ -178,6 +179,7 @@ class DecodeGraphs:
 
     def _capture(self, rows: int, blocks: int, greedy: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Capture a shape's graph; the inputs' buffers are as they were (a greedy run may continue from them)."""
+        start = time.perf_counter()
         saved = {name: tensor.clone() for name, tensor in self.device_inputs.items()}
         inputs = self._inputs(rows, blocks)
         for tensor in inputs:   # padding: every write goes to block 0
@@ -202,6 +204,7 @@ class DecodeGraphs:
         self.graphs[(rows, blocks, greedy)] = graph, logits
         for name, tensor in self.device_inputs.items():
             tensor.copy_(saved[name])
+        self.capture_seconds += time.perf_counter() - start
         return graph, logits
 
 
@@ -243,6 +246,7 @@ class PromptGraphs:
                             for name, shape in shapes.items()}
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
+        self.capture_seconds = 0.0
 
     def fits(self, lengths: Sequence[int]) -> bool:
         return padded_prompts(lengths)[0] <= self.max_tokens
@@ -270,6 +274,7 @@ class PromptGraphs:
             tensor[:sizes[name]].copy_(self.host_inputs[name][:sizes[name]], non_blocking=True)
 
     def _capture(self, tokens: int, bounds: list[int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        start = time.perf_counter()
         d = self.device_inputs
         ids, positions, slots = (d[name][:tokens][None] for name in ("ids", "positions", "slots"))
         layout = Documents.from_cu_seqlens(torch.tensor(bounds), 1, tokens, backend="varlen", device=d["ids"].device)
@@ -286,4 +291,5 @@ class PromptGraphs:
             logits = self.forward(ids, positions, step, last)
         self._pool = graph.pool()
         self.graphs[(tokens, len(bounds) - 1)] = graph, logits
+        self.capture_seconds += time.perf_counter() - start
         return graph, logits

@@ -91,6 +91,11 @@ class ModelRunner:
                 warnings.warn("decode runs without CUDA graphs: the MoE layers sync with the host "
                               "(use --moe-grouped-gemm and no expert parallelism)", stacklevel=2)
 
+    def graph_captures(self) -> tuple[int, float]:
+        """CUDA graphs captured so far (decode and prompt steps) and the host seconds their captures took."""
+        graphs = [g for g in (self.graphs, self.prompt_graphs) if g is not None]
+        return sum(len(g.graphs) for g in graphs), sum(g.capture_seconds for g in graphs)
+
     @torch.no_grad()
     def run(self, rows: Sequence[ScheduledRow]) -> torch.Tensor:
         """Logits [rows that sample, vocab_size] (fp32), in the order of `rows`."""

@@ -54,3 +54,18 @@ def test_a_missing_model_directory_is_named(tmp_path, capsys):
     with pytest.raises(SystemExit):
         run(["serve", "--hf", str(tmp_path / "absent")])
     assert f"--hf {tmp_path / 'absent'}: no such directory" in capsys.readouterr().err
+
+
+def test_graphs_captured_while_serving_are_reported_at_exit(capsys):
+    """Each capture stalls every request: the exit line says how many the warm-up missed, and nothing when none."""
+    from types import SimpleNamespace
+
+    from tessera.cli.serve import _report_captures
+
+    captures = [(3, 1.5)]
+    engine = SimpleNamespace(runner=SimpleNamespace(graph_captures=lambda: captures[0]))
+    _report_captures(engine, (3, 1.5))
+    assert capsys.readouterr().err == ""
+    captures[0] = (5, 2.25)
+    _report_captures(engine, (3, 1.5))
+    assert "2 CUDA graphs were captured while serving, the engine stalled 0.8 s" in capsys.readouterr().err
