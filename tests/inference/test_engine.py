@@ -13,7 +13,9 @@ import torch
 from tessera.config import ModelConfig
 from tessera.inference.engine import Engine
 from tessera.inference.generate import generate
+from tessera.inference.kv_cache import BlockAllocator
 from tessera.inference.sampling import SamplingParams
+from tessera.inference.scheduler import Request, Scheduler
 from tessera.models.gpt import GPTModel, initialize_parameters
 from tessera.models.presets import preset_values
 
@@ -86,6 +88,31 @@ def test_cached_logits_equal_full_recompute(options):
     model = tiny_model()
     engine = Engine(model, prefix_caching=False, decode_steps=1, **options)   # every token through the sampler
     check_against_full_recompute(model, engine, prompts(), GREEDY)
+
+
+def test_a_prompt_is_cut_to_fill_a_step_only_when_no_other_prompt_is_in_it():
+    """Budget 16: the 12-token prompt after a 6-token one waits for the next step rather than
+    leave a continued row (steps with one run without CUDA graphs); a 40-token prompt, first
+    in its step, is cut beside the others' decode rows; the 3-token prompt after it waits
+    while the 40's last chunk is in the step."""
+    scheduler = Scheduler(BlockAllocator(64, 4), max_requests=8, max_batched_tokens=16)
+    requests = [Request(str(n), list(range(n)), SamplingParams(max_tokens=4), 0) for n in (6, 12, 40, 3)]
+    for request in requests:
+        scheduler.add(request)
+    steps = []
+    for _ in range(6):
+        rows = scheduler.schedule()
+        steps.append([(row.request.request_id, row.start, row.count) for row in rows])
+        for row in rows:   # each row's tokens computed; a finished prompt gets its next token
+            row.request.computed = row.start + row.count
+            if row.samples:
+                row.request.output_token_ids.append(0)
+    assert steps == [[("6", 0, 6)],
+                     [("6", 6, 1), ("12", 0, 12)],
+                     [("6", 7, 1), ("12", 12, 1), ("40", 0, 14)],
+                     [("6", 8, 1), ("12", 13, 1), ("40", 14, 14)],
+                     [("6", 9, 1), ("12", 14, 1), ("40", 28, 12)],
+                     [("6", 10, 1), ("12", 15, 1), ("40", 40, 1), ("3", 0, 3)]]
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt", "tiny-moe", "tiny-deepseek"])
