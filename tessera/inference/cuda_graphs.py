@@ -47,9 +47,7 @@ from tessera.models.documents import Documents
 POLL_SECONDS = 50e-6   # GreedyRun.tokens' sleep between looks at the device
 
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-PromptPOLL_SECONDS = 50e-6   # GreedyRun.tokens' sleep between looks at the device
-
-Forward = Callable[[torch.Tensor, torch.Tensor, StepAttention, torch.Tensor], torch.Tensor]
+PromptForward = Callable[[torch.Tensor, torch.Tensor, StepAttention, torch.Tensor], torch.Tensor]
 
 
 @dataclasses.dataclass
@@ -95,7 +93,7 @@ class DecodeGraphs:
                               for name, shape in buffers.items()}
         self.host_inputs = {name: torch.zeros(shape, dtype=torch.int64, pin_memory=True)
                             for name, shape in buffers.items()}
-        self.tokens = torch.zeros(max_steps, self.max_rows, dtype=torch.int64, device=device)   # greedy_steps' out
+        self.tokens = torch.zeros(max_steps, self.max_rows, dtype=torch.int64, device=device)   # a greedy run's tokens
         self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self._copied = torch.cuda.Event()

@@ -29,8 +29,8 @@ from typing import Sequence
 
 import torch
 
-from tessera.inference.kv_cache import PagedKVCache
 from tessera.inference.cuda_graphs import GreedyRun
+from tessera.inference.kv_cache import PagedKVCache
 from tessera.inference.runner import ModelRunner
 from tessera.inference.sampling import Sampler, SamplingParams
 from tessera.inference.scheduler import Request, ScheduledRow, Scheduler
@@ -77,9 +77,9 @@ class Engine:
     When every running request decodes greedily (no penalties, no log-probs) and none waits,
     up to `decode_steps` steps run back to back on the device (replays of one CUDA graph on
     CUDA) and their tokens come in one output; a request that ends within them keeps its
-    tokens up to its end. While the same requests go on so, the next such run is queued
-    before the host reads one (the GPU never waits for the host between them); a request
-    that ends in a run has the next one's tokens of it dropped.
+    tokens up to its end. While the same requests keep decoding so, the next run is queued
+    before the host reads the last one (the GPU does not wait for the host between them); a
+    request that ends in a run has its tokens of the queued run dropped.
     """
 
     def __init__(self, model: GPTModel, *, max_requests: int = 64, max_seq_length: int | None = None,
