@@ -8,8 +8,9 @@ every request makes exactly --max-tokens tokens) with a prompt of about --prompt
 tokens, distinct per request so that no prefix cache hides prefill. Reported: aggregate
 generated tokens/s over the whole run (first request sent to last token received), median
 and p99 time to first token (from sending the request to the first chunk with text), the
-median inter-token time per request, and the count of failed requests (HTTP errors, error
-events, short answers). With arguments after `--`, `tessera serve` is started with them,
+median time between two streamed chunks per request (a chunk is one engine output: with greedy
+runs up to --inference-decode-steps tokens, so this is not a per-token time), and the count of
+failed requests (HTTP errors, error events, short answers). With arguments after `--`, `tessera serve` is started with them,
 waited for, and stopped at the end.
 """
 
@@ -69,7 +70,7 @@ async def _one_request(client: httpx.AsyncClient, url: str, model: str, prompt: 
         return {"error": f"{tokens} tokens instead of {max_tokens}"}
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
     return {"ttft": (first or time.perf_counter()) - sent, "tokens": tokens, "end": time.perf_counter(),
-            "inter_token": statistics.median(gaps) if gaps else None}
+            "inter_chunk": statistics.median(gaps) if gaps else None}
 
 
 async def _run(args: argparse.Namespace, model: str) -> dict:
@@ -91,13 +92,13 @@ async def _run(args: argparse.Namespace, model: str) -> dict:
         wall = time.perf_counter() - start
     good = [r for r in results if "error" not in r]
     ttfts = [r["ttft"] for r in good]
-    gaps = [r["inter_token"] for r in good if r["inter_token"] is not None]
+    gaps = [r["inter_chunk"] for r in good if r["inter_chunk"] is not None]
     tokens = sum(r["tokens"] for r in good)
     return {
         "clients": args.clients, "requests": args.requests, "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens, "model": model, "wall_s": wall, "generated_tokens": tokens,
         "tokens_per_s": tokens / wall, "ttft_median_s": statistics.median(ttfts) if ttfts else None,
-        "ttft_p99_s": _percentile(ttfts, 99), "inter_token_median_s": statistics.median(gaps) if gaps else None,
+        "ttft_p99_s": _percentile(ttfts, 99), "inter_chunk_median_s": statistics.median(gaps) if gaps else None,
         "errors": len(results) - len(good), "error_examples": [r["error"] for r in results if "error" in r][:5],
     }
 
