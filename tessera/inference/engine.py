@@ -209,8 +209,14 @@ class Engine:
             if row.count != 1 or not p.greedy or p.logprobs is not None or p.repetition_penalty != 1 \
                     or p.presence_penalty or p.frequency_penalty or generated < p.min_tokens:
                 return 1
-        steps = min(self.decode_steps, *(r.request.params.max_tokens - len(r.request.output_token_ids) for r in rows))
-        if steps <= 1 or not all(self.scheduler.reserve(r.request, r.start + steps) for r in rows):
+        return self._reserved_run(rows, queued=0)
+
+    def _reserved_run(self, rows: Sequence[ScheduledRow], queued: int) -> int:
+        """Steps for a run of `rows` after `queued` steps not yet read: at most `decode_steps` and the
+        fewest tokens any row has left, the blocks for all of them reserved now (1: no run)."""
+        steps = min(self.decode_steps,
+                    *(r.request.params.max_tokens - len(r.request.output_token_ids) - queued for r in rows))
+        if steps <= 1 or not all(self.scheduler.reserve(r.request, r.start + queued + steps) for r in rows):
             return 1
         return steps
 
@@ -237,17 +243,13 @@ class Engine:
 
     def _next_greedy_steps(self, rows: Sequence[ScheduledRow], queued: int) -> int:
         """How many greedy steps to queue after a run of `queued` steps of `rows` before reading it
-        (0: none): while every one of them runs and no other request does or waits, as
+        (1: none): while every one of them runs and no other request does or waits, as
         `_greedy_steps` would give once their tokens are in, supposing none of them ends in the
         run (one that does has the next run's tokens dropped)."""
-        requests = [row.request for row in rows]
-        if self.scheduler.waiting or len(self.scheduler.running) != len(requests) \
-                or any(r.finish_reason is not None for r in requests):
-            return 0
-        steps = min(self.decode_steps, *(r.params.max_tokens - len(r.output_token_ids) - queued for r in requests))
-        if steps <= 1 or not all(self.scheduler.reserve(row.request, row.start + queued + steps) for row in rows):
-            return 0
-        return steps
+        if self.scheduler.waiting or len(self.scheduler.running) != len(rows) \
+                or any(row.request.finish_reason is not None for row in rows):
+            return 1
+        return self._reserved_run(rows, queued)
 
     def _append(self, request: Request, tokens: list[int]) -> str | None:
         """Give a request its new tokens; why the last one ends it, if it does."""
