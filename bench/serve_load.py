@@ -103,6 +103,16 @@ async def _run(args: argparse.Namespace, model: str) -> dict:
     }
 
 
+def _served_url(serve_args: list[str]) -> str:
+    """The URL a `tessera serve` started with these arguments answers on."""
+    options = argparse.ArgumentParser(add_help=False)
+    options.add_argument("--host", default="127.0.0.1")
+    options.add_argument("--port", default="8000")
+    known, _ = options.parse_known_args(serve_args)
+    host = "127.0.0.1" if known.host in ("0.0.0.0", "::") else known.host
+    return f"http://{host}:{known.port}"
+
+
 def _wait_for_health(url: str, server: subprocess.Popen | None, seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -121,7 +131,7 @@ def main() -> None:
     argv = sys.argv[1:]
     serve_args = argv[argv.index("--") + 1:] if "--" in argv else None
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the server [http://127.0.0.1:8000]")
+    parser.add_argument("--url", help="the server [http://127.0.0.1:8000, or the started server's --host/--port]")
     parser.add_argument("--clients", type=int, default=64, help="concurrent streaming clients [64]")
     parser.add_argument("--requests", type=int, help="requests in all (default: 4 per client)")
     parser.add_argument("--prompt-tokens", type=int, default=128, help="about this many prompt tokens [128]")
@@ -133,6 +143,7 @@ def main() -> None:
     parser.add_argument("--out", help="write the result as JSON here")
     args = parser.parse_args(argv[:argv.index("--")] if serve_args is not None else argv)
     args.requests = args.requests or 4 * args.clients
+    args.url = args.url or _served_url(serve_args or [])
     server = None
     if serve_args is not None:
         server = subprocess.Popen([sys.executable, "-m", "tessera", "serve", *serve_args],

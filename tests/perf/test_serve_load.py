@@ -1,0 +1,15 @@
+"""bench/serve_load.py: a server it starts is waited for where that server listens."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+from serve_load import _served_url  # noqa: E402
+
+
+def test_the_started_server_url_follows_its_host_and_port():
+    assert _served_url(["--hf", "model", "--port", "8011"]) == "http://127.0.0.1:8011"
+    assert _served_url(["--host", "10.0.0.2", "--port=9000"]) == "http://10.0.0.2:9000"
+    assert _served_url(["--host", "0.0.0.0"]) == "http://127.0.0.1:8000"   # every interface: ask locally
+    assert _served_url([]) == "http://127.0.0.1:8000"
