@@ -10,6 +10,7 @@ other ranks step their shards in lockstep with it (tessera.inference.lockstep).
 
 from __future__ import annotations
 
+import functools
 import sys
 
 from tessera.cli.args import _Parser, fail
@@ -49,9 +50,9 @@ def main(argv: list[str]) -> int:
         print(f"{PROG}: warmed up in {seconds:.1f} s (compiling the decode step, capturing CUDA graphs)",
               file=sys.stderr)
     warmed_up = engine.runner.graph_captures()
+    report = functools.partial(_report_captures, engine, warmed_up)
     if parallel is None:
-        _serve(engine, tokenizer, name, args)
-        _report_captures(engine, warmed_up)
+        _serve(engine, tokenizer, name, args, report)
         return 0
     from tessera.inference.lockstep import Leader, follow
 
@@ -61,8 +62,7 @@ def main(argv: list[str]) -> int:
         return 0
     leader = Leader(engine, parallel)
     with leader.serving():
-        _serve(leader, tokenizer, name, args)
-    _report_captures(engine, warmed_up)
+        _serve(leader, tokenizer, name, args, report)
     if leader.failed:   # the other ranks may be stuck in a collective: exiting non-zero has torchrun end them
         fail(PROG, "the engine failed; see the log above")
     parallel.leave()
@@ -77,12 +77,12 @@ def _report_captures(engine, warmed_up: tuple[int, float]) -> None:
               f"{seconds - warmed_up[1]:.1f} s for them (batch shapes the warm-up did not meet)", file=sys.stderr)
 
 
-def _serve(engine, tokenizer, name: str, args) -> None:
+def _serve(engine, tokenizer, name: str, args, on_shutdown) -> None:
     import uvicorn
 
     from tessera.inference.server import create_app
 
-    app = create_app(engine, tokenizer, model_name=args.served_model_name or name)
+    app = create_app(engine, tokenizer, model_name=args.served_model_name or name, on_shutdown=on_shutdown)
     print(f"{PROG}: '{app.state.server.model_name}' on http://{args.host}:{args.port}/v1 "
           f"(context {engine.max_seq_length}, {args.inference_max_requests} requests at a time)", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

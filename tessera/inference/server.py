@@ -361,10 +361,13 @@ def add_info(app: FastAPI, server: Server) -> None:
         return JSONResponse(error.body(), status_code=503)
 
 
-def create_app(engine, tokenizer: TextTokenizer, *, model_name: str) -> FastAPI:
+def create_app(engine, tokenizer: TextTokenizer, *, model_name: str,
+               on_shutdown: Callable[[], None] | None = None) -> FastAPI:
     """The app serving `engine` (a tessera.inference.engine.Engine) as `model_name`.
 
-    The engine's thread starts and stops with the app (its lifespan).
+    The engine's thread starts and stops with the app (its lifespan); `on_shutdown` runs after
+    it stops. (Code after `uvicorn.run` does not run when a signal stopped the server: uvicorn
+    raises the signal again once it has shut down.)
     """
     async_engine = AsyncEngine(engine)
 
@@ -375,6 +378,8 @@ def create_app(engine, tokenizer: TextTokenizer, *, model_name: str) -> FastAPI:
             yield
         finally:
             async_engine.shutdown()
+            if on_shutdown is not None:
+                on_shutdown()
 
     app = FastAPI(title="tessera", lifespan=lifespan)
     server = Server(async_engine, tokenizer, model_name)

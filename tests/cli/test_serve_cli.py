@@ -4,6 +4,14 @@ uvicorn.run (which blocks and takes the main thread's signals) is replaced by a 
 thread on a free port; everything else is the command's own path.
 """
 
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
 import openai
 import pytest
 
@@ -69,3 +77,29 @@ def test_graphs_captured_while_serving_are_reported_at_exit(capsys):
     captures[0] = (5, 2.25)
     _report_captures(engine, (3, 1.5))
     assert "2 CUDA graphs were captured while serving, the engine stalled 0.8 s" in capsys.readouterr().err
+
+
+def test_the_exit_report_runs_when_a_signal_stops_the_server(hf_dir):
+    """uvicorn raises SIGTERM again once it has drained, so nothing after uvicorn.run runs: the
+    report is the app's shutdown hook. A real `tessera serve` process, stopped as a user stops it."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    script = ("import sys\nimport tessera.cli.serve as serve\n"
+              "serve._report_captures = lambda *_: print('REPORTED', file=sys.stderr, flush=True)\n"
+              f"serve.main(['--hf', {str(hf_dir)!r}, '--port', '{port}', '--log-level', 'warning'])\n")
+    server = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).resolve().parents[2])
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and server.poll() is None:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        server.send_signal(signal.SIGTERM)
+        _, err = server.communicate(timeout=60)
+    finally:
+        server.kill()
+    assert "on http://127.0.0.1" in err and "REPORTED" in err, err
