@@ -5,7 +5,7 @@
 
 Each client sends streaming /v1/completions requests one after the other (`ignore_eos`, so
 every request makes exactly --max-tokens tokens) with a prompt of about --prompt-tokens
-tokens, distinct per request so that no prefix cache hides prefill. Reported: aggregate
+tokens, distinct per request (and from the warm-up's and other runs') so that no prefix cache hides prefill. Reported: aggregate
 generated tokens/s over the whole run (first request sent to last token received), median
 and p99 time to first token (from sending the request to the first chunk with text), the
 median time between two streamed chunks per request (a chunk is one engine output: with greedy
@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -31,10 +32,12 @@ WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly 
          "in the old town square near the river").split()
 
 
-def _prompt(index: int, tokens: int) -> str:
-    """About `tokens` tokens of words (a word is about one token), starting with the request's number."""
-    words = [WORDS[(index * 7 + i) % len(WORDS)] for i in range(max(tokens - 4, 1))]
-    return f"Request {index}: " + " ".join(words)
+def _prompt(run: str, index: int, tokens: int) -> str:
+    """About `tokens` tokens of words (a word is about one token), starting with the run's tag and the
+    request's number: no two requests, of this run or another (the warm-up's, an earlier bench's
+    against the same server), share a first KV block, so the prefix cache finds nothing."""
+    words = [WORDS[(index * 7 + i) % len(WORDS)] for i in range(max(tokens - 5, 1))]
+    return f"[{run}-{index}] " + " ".join(words)
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -75,6 +78,7 @@ async def _one_request(client: httpx.AsyncClient, url: str, model: str, prompt: 
 
 async def _run(args: argparse.Namespace, model: str) -> dict:
     pending = list(range(args.requests))
+    run = uuid.uuid4().hex[:8]
     results: list[dict] = []
     limits = httpx.Limits(max_connections=args.clients, max_keepalive_connections=args.clients)
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
@@ -82,7 +86,7 @@ async def _run(args: argparse.Namespace, model: str) -> dict:
             while pending:
                 index = pending.pop(0)
                 try:
-                    results.append(await _one_request(client, args.url, model, _prompt(index, args.prompt_tokens),
+                    results.append(await _one_request(client, args.url, model, _prompt(run, index, args.prompt_tokens),
                                                       args.max_tokens))
                 except (httpx.HTTPError, json.JSONDecodeError) as exc:
                     results.append({"error": f"{type(exc).__name__}: {exc}"})

@@ -13,3 +13,12 @@ def test_the_started_server_url_follows_its_host_and_port():
     assert _served_url(["--host", "10.0.0.2", "--port=9000"]) == "http://10.0.0.2:9000"
     assert _served_url(["--host", "0.0.0.0"]) == "http://127.0.0.1:8000"   # every interface: ask locally
     assert _served_url([]) == "http://127.0.0.1:8000"
+
+
+def test_no_two_prompts_share_a_first_kv_block():
+    """Prefix caching names blocks of 16 tokens from the first: prompts of two runs (the warm-up and the
+    measured one) and of two requests differ within their first 16 characters."""
+    from serve_load import _prompt
+
+    first = {_prompt(run, index, 128)[:16] for run in ("a1b2c3d4", "e5f6a7b8") for index in range(300)}
+    assert len(first) == 600
