@@ -22,3 +22,18 @@ def test_no_two_prompts_share_a_first_kv_block():
 
     first = {_prompt(run, index, 128)[:16] for run in ("a1b2c3d4", "e5f6a7b8") for index in range(300)}
     assert len(first) == 600
+
+
+def test_the_serve_model_loads_as_a_model_and_a_chat_tokenizer(tmp_path):
+    import subprocess
+
+    from tessera.inference.text import load_tokenizer
+    from tessera.interop.hf import load_hf
+
+    subprocess.run([sys.executable, str(Path(__file__).resolve().parents[2] / "bench" / "serve_model.py"),
+                    str(tmp_path), "--config", "tiny"], check=True, capture_output=True)
+    model = load_hf(tmp_path)
+    assert (model.config.num_layers, model.config.hidden_size, model.config.vocab_size) == (2, 128, 1000)
+    tokenizer = load_tokenizer(search_dirs=[tmp_path])
+    ids = tokenizer.encode_chat([{"role": "user", "content": "hello"}])
+    assert ids and max(ids) < 1000 and tokenizer.decode(tokenizer.encode("abc def")) == "abc def"
