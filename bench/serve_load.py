@@ -5,13 +5,14 @@
 
 Each client sends streaming /v1/completions requests one after the other (`ignore_eos`, so
 every request makes exactly --max-tokens tokens) with a prompt of about --prompt-tokens
-tokens, distinct per request (and from the warm-up's and other runs') so that no prefix cache hides prefill. Reported: aggregate
-generated tokens/s over the whole run (first request sent to last token received), median
-and p99 time to first token (from sending the request to the first chunk with text), the
-median time between two streamed chunks per request (a chunk is one engine output: with greedy
-runs up to --inference-decode-steps tokens, so this is not a per-token time), and the count of
-failed requests (HTTP errors, error events, short answers). With arguments after `--`, `tessera serve` is started with them,
-waited for, and stopped at the end.
+tokens, distinct per request and from other runs' (the warm-up's, an earlier bench's) so that
+no prefix cache hides prefill. Reported: aggregate generated tokens/s over the whole run (first
+request sent to last token received), median and p99 time to first token (from sending the
+request to the first chunk with text), the median time between two streamed chunks per request
+(a chunk is one engine output: with greedy runs up to --inference-decode-steps tokens, so this
+is not a per-token time), and the count of failed requests (HTTP errors, error events, short
+answers). With arguments after `--`, `tessera serve` is started with them, waited for (on its
+--host and --port), and stopped at the end.
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ model hub.
     python bench/serve_model.py HF_DIR [--config B|tiny]
     python bench/serve_load.py --clients 64 -- --hf HF_DIR --port 8011
 
-The weights are made on the GPU when there is one (a 1.2B model initialised on the CPU takes
-minutes). The bench's prompts are English words, which this tokenizer does not know: a
-128-"token" prompt is a few hundred of its tokens.
+The weights are made on the GPU when there is one (initialising 1.2B parameters on the CPU is
+slow). The bench's prompts are English words, which this tokenizer does not know: a
+128-"token" prompt is ~280 of its tokens.
 """
 
 from __future__ import annotations
