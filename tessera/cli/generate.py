@@ -50,6 +50,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--inference-decode-steps", type=int, default=16, metavar="N",
                         help="greedy decode steps run back to back on the GPU between two looks of the host "
                              "(streamed tokens then come up to N at a time; 1: every step) [16]")
+    engine.add_argument("--inference-dynamic-batching-prefix-caching", action="store_true",
+                        help="reuse the KV blocks of prompts that start alike (on a GPU the rest of such a "
+                             "prompt runs eagerly: worth it for long shared prefixes only)")
     engine.add_argument("--seed", type=int, default=1234, help="seed of requests that bring none")
     parallel = parser.add_argument_group("parallel (under torchrun)")
     parallel.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="N",
@@ -100,7 +103,8 @@ def build_engine(args: argparse.Namespace, prog: str):
         def make_engine(num_blocks: int | None = None) -> Engine:
             return Engine(model, max_requests=args.inference_max_requests, num_blocks=num_blocks,
                           max_seq_length=args.inference_max_seq_length, eos_token_ids=eos, seed=args.seed,
-                          decode_steps=args.inference_decode_steps)
+                          decode_steps=args.inference_decode_steps,
+                          prefix_caching=args.inference_dynamic_batching_prefix_caching)
 
         engine = parallel.agree_on_cache(make_engine) if parallel else make_engine()
     except (ConfigError, FileNotFoundError, ValueError) as exc:

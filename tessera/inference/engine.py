@@ -67,8 +67,10 @@ class Engine:
 
     `num_blocks` defaults to room for `max_requests` requests of `max_seq_length` tokens (on
     CUDA at most `kv_memory_fraction` of the free memory); with fewer, requests are preempted
-    and recomputed when the blocks run out. `prefix_caching` reuses the KV blocks of prompts
-    that start alike. `vocab_size` (default the model config's) excludes the output layer's
+    and recomputed when the blocks run out. `prefix_caching` (off by default, as Megatron's
+    --inference-dynamic-batching-prefix-caching) reuses the KV blocks of prompts that start
+    alike; on CUDA the rest of such a prompt runs eagerly (docs/inference.md), so it pays for
+    long shared prefixes only. `vocab_size` (default the model config's) excludes the output layer's
     padding rows from sampling. On CUDA, decode steps replay CUDA graphs (`cuda_graphs`) of the
     decode step compiled with torch.compile (`compile`; the first step of each new batch
     shape captures its graph, and the first one compiles, tens of seconds for a 1B model).
@@ -84,7 +86,7 @@ class Engine:
 
     def __init__(self, model: GPTModel, *, max_requests: int = 64, max_seq_length: int | None = None,
                  block_size: int = 16, num_blocks: int | None = None, max_batched_tokens: int = 2048,
-                 eos_token_ids: Sequence[int] = (), seed: int = 0, prefix_caching: bool = True,
+                 eos_token_ids: Sequence[int] = (), seed: int = 0, prefix_caching: bool = False,
                  cuda_graphs: bool = True, compile: bool = True, kv_memory_fraction: float = 0.8,
                  vocab_size: int | None = None, decode_steps: int = 16):
         config = model.config

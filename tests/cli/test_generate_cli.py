@@ -103,3 +103,17 @@ def test_a_jsonl_line_without_a_prompt_is_named(hf_dir, tmp_path, capsys):
     with pytest.raises(SystemExit):
         run(["generate", "--hf", str(hf_dir), "--input", str(source)])
     assert f"{source}:2: needs a string 'prompt'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, caching", [([], False), (["--inference-dynamic-batching-prefix-caching"], True)])
+def test_prefix_caching_is_off_unless_asked_for(hf_dir, flags, caching):
+    """Megatron's flag and default: on a GPU a prompt after a cached prefix runs eagerly, slower than
+    recomputing a short prefix through the prompt graphs."""
+    import argparse
+
+    from tessera.cli.generate import add_model_arguments, build_engine
+
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser)
+    engine = build_engine(parser.parse_args(["--hf", str(hf_dir), *flags]), "tessera generate")[0]
+    assert engine.cache.allocator.prefix_caching is caching

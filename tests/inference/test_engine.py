@@ -179,7 +179,7 @@ def test_greedy_steps_back_to_back_give_the_tokens_of_single_steps(preset):
     prompt_list = prompts((5, 30, 1, 17, 9, 12))
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (30, 8, 25, 6, 11, 3)]
     expected = [c.token_ids for c in Engine(model, block_size=4, decode_steps=1).generate(prompt_list, params)]
-    engine = Engine(model, block_size=4, num_blocks=24, max_batched_tokens=16, decode_steps=5)
+    engine = Engine(model, block_size=4, num_blocks=24, max_batched_tokens=16, decode_steps=5, prefix_caching=True)
     runs = record_greedy_runs(engine)
     assert [c.token_ids for c in engine.generate(prompt_list, params)] == expected
     assert max(n for _, n in runs) == 5 and engine.scheduler.preemptions > 0
