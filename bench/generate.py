@@ -9,7 +9,8 @@ also the time to the first token (prefill) and the decode rate after it. Each se
 runs twice untimed first (the first compiles the decode step and captures its CUDA
 graphs), each run on fresh random prompts (no prefix-cache hits). Modes: `compiled` =
 CUDA graphs of the torch.compile'd decode step (the engine's default on CUDA), `graphs` =
-CUDA graphs of the eager step, `eager` = neither. Prints a table and RESULT lines; writes
+CUDA graphs of the eager step, `eager` = neither. Each RESULT says what the GPU's clock, power
+and temperature were during the timed run (bench/gpu_state.py). Prints a table and RESULT lines; writes
 $OUT/generate.json when OUT is set. `--config tiny` runs a small model (a CPU check);
 `--profile` prints the kernels of 16 decode steps of the first mode at each batch size.
 """
@@ -27,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gpu_state import GpuSampler  # noqa: E402
 from tessera.config import ModelConfig  # noqa: E402
 from tessera.inference.cuda_graphs import row_bucket  # noqa: E402
 from tessera.inference.engine import Engine  # noqa: E402
@@ -131,16 +133,17 @@ def main() -> None:
             for _ in range(2):   # warm-up: compilation, graph capture
                 timed_run(engine, batch, args.prompt, args.new, generator)
             warmup = time.perf_counter() - start
-            run = timed_run(engine, batch, args.prompt, args.new, generator)
+            with GpuSampler(device.index or 0) as gpu:
+                run = timed_run(engine, batch, args.prompt, args.new, generator)
+                graph = None if device.type != "cuda" else graph_ms(engine, batch)
             record = dict(row=f"tessera-engine-{mode}", config=args.config, batch=batch, prompt=args.prompt,
                           new_tokens=args.new, tokens_per_s=round(batch * args.new / run["elapsed"], 1),
                           ms_per_token=round(run["elapsed"] / args.new * 1e3, 3),
                           first_token_ms=round(run["first"] * 1e3, 2),
                           decode_tokens_per_s=round(batch * (args.new - 1) / (run["elapsed"] - run["first"]), 1),
                           warmup_s=round(warmup, 1), params=params,
-                          graph_ms=None if device.type != "cuda" else graph_ms(engine, batch),
-                          peak_alloc_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2)
-                          if device.type == "cuda" else None)
+                          graph_ms=graph, peak_alloc_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2)
+                          if device.type == "cuda" else None, gpu=gpu.summary())
             print("RESULT " + json.dumps(record), flush=True)
             records.append(record)
             if args.profile and mode == args.modes[0] and device.type == "cuda":

@@ -28,6 +28,7 @@ import uuid
 from pathlib import Path
 
 import httpx
+from gpu_state import GpuSampler
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches "
          "in the old town square near the river").split()
@@ -159,7 +160,9 @@ def main() -> None:
         if args.warmup:
             asyncio.run(_run(argparse.Namespace(**{**vars(args), "clients": args.warmup, "requests": args.warmup}),
                              model))
-        result = asyncio.run(_run(args, model))
+        with GpuSampler() as gpu:   # the server's GPU, if it is this machine's first
+            result = asyncio.run(_run(args, model))
+        result["gpu"] = gpu.summary()
     finally:
         if server is not None:
             server.terminate()

@@ -1,0 +1,52 @@
+"""bench/gpu_state.py: what NVML said while a run went, summed up; nothing where there is no NVML."""
+
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+from gpu_state import GpuSampler  # noqa: E402
+
+
+def _fake_nvml(readings):
+    """An NVML whose device reports `readings` (clock MHz, milliwatts, degrees, reason bits) in turn."""
+    state = iter(readings)
+    current = {}
+
+    def next_reading(_handle):
+        current.update(zip(("clock", "mw", "temp", "reasons"), next(state, readings[-1])))
+        return current["clock"]
+
+    return SimpleNamespace(
+        NVML_CLOCK_SM=1, NVML_TEMPERATURE_GPU=0, nvmlDeviceGetHandleByIndex=lambda index: ("gpu", index),
+        nvmlDeviceGetClockInfo=lambda handle, kind: next_reading(handle),
+        nvmlDeviceGetPowerUsage=lambda handle: current["mw"], nvmlDeviceGetTemperature=lambda h, k: current["temp"],
+        nvmlDeviceGetCurrentClocksThrottleReasons=lambda handle: current["reasons"])
+
+
+def test_the_summary_gives_the_clock_power_temperature_and_every_limiting_reason_seen():
+    readings = [(1980, 650_000, 60, 0x0), (1500, 700_000, 71, 0x4), (1755, 690_000, 68, 0x20)]
+    sampler = GpuSampler(interval_s=0.001, nvml=_fake_nvml(readings))
+    sampler.samples = [sampler._sample() for _ in readings]
+    summary = sampler.summary()
+    assert summary == dict(samples=3, sm_clock_mhz_mean=1745, sm_clock_mhz_min=1500, power_w_mean=680.0,
+                           temperature_c_max=71, clock_limited_by=["sw_power_cap", "sw_thermal"])
+
+
+def test_the_thread_samples_while_the_run_goes_and_stops_after():
+    with GpuSampler(interval_s=0.001, nvml=_fake_nvml([(1980, 650_000, 60, 0)])) as sampler:
+        time.sleep(0.05)
+    taken = len(sampler.samples)
+    time.sleep(0.02)
+    assert taken >= 5 and len(sampler.samples) == taken
+
+
+def test_without_nvml_there_is_nothing_to_say(monkeypatch):
+    import gpu_state
+
+    monkeypatch.setattr(gpu_state, "_nvml", lambda: None)
+    with GpuSampler() as sampler:
+        pass
+    assert sampler.summary() is None
