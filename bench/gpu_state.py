@@ -37,6 +37,7 @@ class GpuSampler:
         self.nvml = nvml if nvml is not None else _nvml()
         self.interval_s = interval_s
         self.samples: list[tuple[int, float, int, int]] = []   # (SM MHz, watts, degrees C, reason bits)
+        self.error: str | None = None
         self._handle = self.nvml.nvmlDeviceGetHandleByIndex(device_index) if self.nvml else None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample_until_stopped, daemon=True)
@@ -53,7 +54,11 @@ class GpuSampler:
 
     def _sample_until_stopped(self) -> None:
         while True:
-            self.samples.append(self._sample())
+            try:
+                self.samples.append(self._sample())
+            except Exception as exc:   # a reading this GPU or driver refuses: say so in the summary, stop
+                self.error = f"{type(exc).__name__}: {exc}"
+                return
             if self._stop.wait(self.interval_s):
                 return
 
@@ -66,7 +71,7 @@ class GpuSampler:
 
     def summary(self) -> dict | None:
         if not self.samples:
-            return None
+            return None if self.error is None else dict(samples=0, error=self.error)
         clocks, watts, temperatures, reasons = zip(*self.samples)
         seen = 0
         for bits in reasons:
@@ -74,4 +79,5 @@ class GpuSampler:
         return dict(samples=len(self.samples), sm_clock_mhz_mean=round(statistics.fmean(clocks)),
                     sm_clock_mhz_min=min(clocks), power_w_mean=round(statistics.fmean(watts), 1),
                     temperature_c_max=max(temperatures),
-                    clock_limited_by=[name for bit, name in REASONS.items() if seen & bit])
+                    clock_limited_by=[name for bit, name in REASONS.items() if seen & bit],
+                    **({} if self.error is None else dict(error=self.error)))

@@ -50,3 +50,15 @@ def test_without_nvml_there_is_nothing_to_say(monkeypatch):
     with GpuSampler() as sampler:
         pass
     assert sampler.summary() is None
+
+
+def test_a_reading_the_gpu_refuses_ends_the_sampling_and_is_said():
+    nvml = _fake_nvml([(1980, 650_000, 60, 0)])
+
+    def refused(handle):
+        raise RuntimeError("Not Supported")
+
+    nvml.nvmlDeviceGetPowerUsage = refused
+    with GpuSampler(interval_s=0.001, nvml=nvml) as sampler:
+        time.sleep(0.01)
+    assert sampler.summary() == dict(samples=0, error="RuntimeError: Not Supported")
