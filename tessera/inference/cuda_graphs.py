@@ -123,6 +123,15 @@ class DecodeGraphs:
         self._fill_tables(tables)
         return self._run_greedy(run.rows, tables, steps)
 
+    def prepare(self, count: int) -> None:
+        """Capture the graphs of `count` rows at every block-table width (greedy runs' too where they
+        are on), so that a request growing longer never waits mid-stream for a capture."""
+        width = 1
+        while width <= self.max_blocks:
+            for greedy in (False, True)[:1 + (self.tokens.shape[0] > 1)]:
+                self._graph(count, [[0] * width] * count, greedy)
+            width *= 2
+
     def _run_greedy(self, count: int, tables: Sequence[Sequence[int]], steps: int) -> GreedyRun:
         if not 1 <= steps <= self.tokens.shape[0]:
             raise ValueError(f"steps must be in 1..{self.tokens.shape[0]}, got {steps}")

@@ -91,6 +91,11 @@ class ModelRunner:
                 warnings.warn("decode runs without CUDA graphs: the MoE layers sync with the host "
                               "(use --moe-grouped-gemm and no expert parallelism)", stacklevel=2)
 
+    def prepare_graphs(self, rows: int) -> None:
+        """Capture the decode graphs of `rows` rows at every block-table width now (with CUDA graphs)."""
+        if self.graphs is not None:
+            self.graphs.prepare(rows)
+
     def graph_captures(self) -> tuple[int, float]:
         """CUDA graphs captured so far (decode and prompt steps) and the host seconds their captures took."""
         graphs = [g for g in (self.graphs, self.prompt_graphs) if g is not None]

@@ -89,3 +89,27 @@ def test_graphed_greedy_runs_give_the_tokens_of_the_engine_without_graphs(stand_
     assert [c.token_ids for c in engine.generate(prompt_list[:1], [params])] == expected[:1]
     shapes = set(engine.runner.graphs.graphs)
     assert {(4, 8, True), (4, 16, True), (1, 16, True)} <= shapes   # 12 blocks of 4 by the end
+
+
+@pytest.mark.parametrize("decode_steps", [1, 8])
+def test_warm_up_captures_one_request_at_every_width_and_the_request_then_captures_nothing(stand_in_cuda,
+                                                                                          decode_steps):
+    """After warm_up, a request alone grows from 5 to 60 tokens (blocks of 4: widths 2 to 16) on the
+    graphs already captured, greedily and sampled, with the tokens of the engine without graphs."""
+    model = tiny_model()
+    params = [SamplingParams(max_tokens=55, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=55, temperature=0.7, ignore_eos=True, seed=3)]
+    prompt_list = prompts((5, 5))
+    expected = [c.token_ids for c in Engine(model, block_size=4, decode_steps=1).generate(prompt_list, params)]
+    engine = Engine(model, block_size=4, decode_steps=decode_steps, max_seq_length=64)
+    engine.runner.graphs = graphs = cuda_graphs.DecodeGraphs(
+        lambda ids, positions, tables: decode_logits(model, engine.cache, ids, positions, tables), max_rows=64,
+        max_blocks=16, device=torch.device("cpu"), vocab_size=engine.vocab_size, max_steps=decode_steps,
+        compile=False)
+    engine.warm_up()
+    greedy = (False, True) if decode_steps > 1 else (False,)
+    assert {(1, width, g) for width in (1, 2, 4, 8, 16) for g in greedy} <= set(graphs.graphs)
+    captured = len(graphs.graphs)
+    for prompt, param, tokens in zip(prompt_list, params, expected):
+        assert engine.generate([prompt], param)[0].token_ids == tokens
+    assert len(graphs.graphs) == captured
