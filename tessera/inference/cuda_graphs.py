@@ -126,9 +126,10 @@ class DecodeGraphs:
     def prepare(self, count: int) -> None:
         """Capture the graphs of `count` rows at every block-table width (greedy runs' too where they
         are on), so that a request growing longer never waits mid-stream for a capture."""
+        modes = (False, True) if self.tokens.shape[0] > 1 else (False,)   # greedy runs longer than one step
         width = 1
         while width <= self.max_blocks:
-            for greedy in (False, True)[:1 + (self.tokens.shape[0] > 1)]:
+            for greedy in modes:
                 self._graph(count, [[0] * width] * count, greedy)
             width *= 2
 

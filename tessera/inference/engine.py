@@ -70,8 +70,8 @@ class Engine:
     and recomputed when the blocks run out. `prefix_caching` (off by default, as Megatron's
     --inference-dynamic-batching-prefix-caching) reuses the KV blocks of prompts that start
     alike; on CUDA the rest of such a prompt runs eagerly (docs/inference.md), so it pays for
-    long shared prefixes only. `vocab_size` (default the model config's) excludes the output layer's
-    padding rows from sampling. On CUDA, decode steps replay CUDA graphs (`cuda_graphs`) of the
+    long shared prefixes only. `vocab_size` (default the model config's) excludes the output
+    layer's padding rows from sampling. On CUDA, decode steps replay CUDA graphs (`cuda_graphs`) of the
     decode step compiled with torch.compile (`compile`; the first step of each new batch
     shape captures its graph, and the first one compiles, tens of seconds for a 1B model).
     Steps of new prompts replay CUDA graphs of their own (bf16 and fp16), beside the decode
