@@ -41,6 +41,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gpu_state import GpuSampler  # noqa: E402
 from memory_trace import format_breakdown, peak_breakdown, step_marker  # noqa: E402
 from tessera.cli.args import parse_run_config  # noqa: E402
 from tessera.perf.flops import flops_per_token  # noqa: E402
@@ -93,8 +94,9 @@ def main() -> None:
     if world > 1:
         dist.barrier()
     start = time.perf_counter()
-    losses = [trainer.train_step().loss for _ in range(args.steps)]
-    _synchronize(cuda)
+    with GpuSampler(torch.cuda.current_device() if cuda else 0, interval_s=0.1) as gpu_state:
+        losses = [trainer.train_step().loss for _ in range(args.steps)]
+        _synchronize(cuda)
     elapsed, peak_alloc, peak_reserved = _max_over_ranks(
         [time.perf_counter() - start, torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
          torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0], trainer.device)
@@ -110,6 +112,7 @@ def main() -> None:
         "optimizer_state_gib": trainer.optimizer.state_bytes() / 2**30,
         "first_loss": float(losses[0]), "last_loss": float(losses[-1]),
         "gpu": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+        "gpu_state": gpu_state.summary(),   # this rank's GPU during the timed steps
     }
     if mesh.pp_size > 1:
         result["bubble_measured_per_stage"] = _measure_bubble(trainer, args.bubble_steps)
