@@ -39,6 +39,8 @@ class GpuSampler:
         self.samples: list[tuple[int, float, int, int]] = []   # (SM MHz, watts, degrees C, reason bits)
         self.error: str | None = None
         self._handle = self.nvml.nvmlDeviceGetHandleByIndex(device_index) if self.nvml else None
+        self._reasons = self.nvml and (getattr(self.nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+                                       or self.nvml.nvmlDeviceGetCurrentClocksThrottleReasons)   # the newer name first
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample_until_stopped, daemon=True)
 
@@ -64,10 +66,8 @@ class GpuSampler:
 
     def _sample(self) -> tuple[int, float, int, int]:
         nvml, handle = self.nvml, self._handle
-        reasons = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
-            nvml.nvmlDeviceGetCurrentClocksThrottleReasons
         return (nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM), nvml.nvmlDeviceGetPowerUsage(handle) / 1e3,
-                nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU), reasons(handle))
+                nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU), self._reasons(handle))
 
     def summary(self) -> dict | None:
         if not self.samples:
