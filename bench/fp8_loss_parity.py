@@ -1,7 +1,7 @@
 """FP8 against bf16 on real text (issue 14's loss parity): one model, data, seed and schedule,
 trained in bf16 and with FP8 linears per recipe, validated every --eval-interval steps.
 
-    python bench/fp8_loss_parity.py [--steps 1000] [--recipes bf16 tensorwise blockwise]
+    python bench/fp8_loss_parity.py [--steps 1000] [--recipes bf16 tensorwise blockwise] [--at-once]
         [--out fp8_loss_parity.json] [--plot docs/figures/fp8_loss_parity.png]
 
 Data: the Python standard library's sources (as `make demo`: examples/demo.py's corpus, a
@@ -14,6 +14,9 @@ the hybrid format for tensorwise and delayed, e4m3 for blockwise (as the speed r
 docs/performance.md). `--size tiny` (2 x 64) checks the script on a CPU (bf16 only: FP8
 needs a GPU with FP8 tensor cores).
 
+--at-once trains the recipes side by side, one process each on the same GPU (the losses are
+what this measures, not the speed: each run's seconds are then shared time).
+
 Prints each run's final validation loss, its gap to bf16's, its skipped and non-finite steps,
 and writes the curves as JSON (and as a PNG with --plot).
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -72,6 +76,19 @@ def run(recipe: str, flags: list[str], log_json: Path) -> dict:
     return result
 
 
+def run_at_once(recipes: list[str], script_args: list[str], logs: Path) -> list[dict]:
+    """Each recipe in a process of its own, all started together; their results in `recipes`' order."""
+    children = []
+    for recipe in recipes:
+        out = logs / f"{recipe}.json"
+        command = [sys.executable, __file__, *script_args, "--recipes", recipe, "--out", str(out)]
+        children.append((recipe, out, subprocess.Popen(command)))
+    failed = [recipe for recipe, _, child in children if child.wait() != 0]
+    if failed:
+        raise SystemExit(f"bench/fp8_loss_parity.py: the {', '.join(failed)} run(s) failed (their output is above)")
+    return [json.loads(out.read_text())["runs"][0] for _, out, _ in children]
+
+
 def summarize(results: list[dict]) -> list[dict]:
     """Each run's final validation loss and its relative gap to the bf16 run's (None without one)."""
     reference = next((r["evals"][-1][1] for r in results if r["recipe"] == "bf16"), None)
@@ -118,6 +135,9 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "fp8_parity", help="where the dataset is built")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "fp8_loss_parity.json")
     parser.add_argument("--plot", type=Path, help="write the curves as a PNG here")
+    parser.add_argument("--at-once", action="store_true", help="train the recipes side by side, a process each")
+    parser.add_argument("--log-dir", type=Path, help="keep each run's trainer log (JSON lines) here, written as it "
+                        "trains (default: a temporary directory)")
     args = parser.parse_args()
     data, tokenizer = prepare(args.work, vocab=16384, max_mb=None if args.size == "350m" else 1)
     flags = SIZES[args.size] + LLAMA + [
@@ -128,11 +148,18 @@ def main() -> None:
         "--clip-grad", "1.0", "--seed", "1234", "--bf16", "--use-distributed-optimizer",
         "--log-interval", str(args.eval_interval), "--eval-interval", str(args.eval_interval), "--eval-iters", "8"]
     results = []
-    with tempfile.TemporaryDirectory() as logs:
-        for recipe in args.recipes:
-            results.append(run(recipe, flags, Path(logs) / f"{recipe}.jsonl"))
-            print(f"{recipe}: {results[-1]['seconds']} s, final validation loss {results[-1]['evals'][-1][1]:.4f}",
-                  flush=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        logs = args.log_dir or Path(scratch)
+        logs.mkdir(parents=True, exist_ok=True)
+        if args.at_once:   # the dataset is built above, once, before the runs start
+            shared = ["--size", args.size, "--steps", str(args.steps), "--eval-interval", str(args.eval_interval),
+                      "--work", str(args.work), "--log-dir", str(logs)]
+            results = run_at_once(args.recipes, shared, logs)
+        else:
+            for recipe in args.recipes:
+                results.append(run(recipe, flags, logs / f"{recipe}.jsonl"))
+                print(f"{recipe}: {results[-1]['seconds']} s, final validation loss "
+                      f"{results[-1]['evals'][-1][1]:.4f}", flush=True)
     rows = summarize(results)
     for row in rows:
         gap = "" if row["gap_to_bf16"] is None else f", {row['gap_to_bf16']:+.2%} against bf16"

@@ -26,9 +26,11 @@ def test_the_gap_is_relative_to_the_bf16_run_final_validation_loss():
 
 
 def test_a_tiny_run_writes_its_validation_curve(tmp_path):
+    """--at-once: the run is trained in a process of its own (the in-process path) and read back."""
     out, png = tmp_path / "parity.json", tmp_path / "parity.png"
     subprocess.run([sys.executable, str(BENCH), "--size", "tiny", "--steps", "12", "--eval-interval", "4",
-                    "--recipes", "bf16", "--work", str(tmp_path / "work"), "--out", str(out), "--plot", str(png)],
+                    "--recipes", "bf16", "--at-once", "--work", str(tmp_path / "work"), "--out", str(out),
+                    "--plot", str(png)],
                    check=True, capture_output=True, timeout=240)
     result = json.loads(out.read_text())
     (run,) = result["runs"]
