@@ -13,7 +13,8 @@ A: GPT 1.3B (24 x 2048, 16 heads, GeLU ffn 8192, LayerNorm, learned positions, v
    RMSNorm, RoPE 5e5, vocab 32000, untied). M: the anchors' fine-grained MoE, B's
    attention in 12 layers, each with 64 experts (ffn 768), top-8, micro-batch 4. C: a coarse
    MoE, 12 such layers with 8 experts (ffn 5632), top-2. MoE: dropless, aux loss 1e-2,
-   grouped GEMMs; MFU counts active FLOPs (Megatron's formula). All: seq 2048, micro-batch 8
+   grouped GEMMs; MFU counts active FLOPs (Megatron's formula). L8: 8 of LLaMA-3-8B's layers,
+   micro-batch 4 (issue 14's 8B-shaped FP8 pair). All: seq 2048, micro-batch 8
    unless said, bf16 autocast over fp32 master weights, AdamW (0.9, 0.95, wd 0.1), clip 1.0,
    dropout 0, no recompute: exactly the shapes and timing of shared/anchors/NOTES.md, so the
    numbers compare with the peers' (10 warm-up steps, then 20 timed steps with a device sync
@@ -57,6 +58,8 @@ CONFIGS = {
                  "--micro-batch-size", "4"],
     # C: a coarse MoE (Mixtral-like): 8 experts, top-2, expert ffn 5632 (B's MLP), micro-batch 8
     "C": _MOE + ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "5632"],
+    # L8: 8 of LLaMA-3-8B's 32 layers (4096 wide, 32 heads / 8 KV groups, SwiGLU 14336, vocab 128256), micro-batch 4
+    "L8": ["--model", "llama3-8b", "--num-layers", "8", "--micro-batch-size", "4"],
 }
 COMMON = ["--mock-data", "--bf16", "--seq-length", "2048", "--micro-batch-size", "8",
           "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "1e-4", "--weight-decay", "0.1",
