@@ -134,9 +134,9 @@ def layer_activation_bytes(model: ModelConfig, layout: Layout, seq_length: int,
         q = model.num_attention_heads * model.v_head_dim   # the attention output's width
     else:
         gemm_inputs += 0.0 if rebuilds_norms else 2 * s * b * h   # QKV's
+        # Q, K and V for attention's backward, as wide as the QKV output (tessera's rotated Q and K are
+        # new tensors, and V is then copied out so as not to keep all of it), and attention's output.
         tensor_sharded += 2 * s * b * (q + 2 * kv) + 2 * s * b * q
-        if tessera and model.position_embedding_type == "rope":
-            tensor_sharded += 2 * s * b * (q + kv)   # rotated Q and K, beside the QKV output that V is a view of
     # A compiled block keeps the attention projection's output (after its all-reduce or
     # reduce-scatter) to rebuild the second norm's input, the residual, in backward.
     projection_output = 2 * s * b * h if tessera and layout.compiled and layout.recompute != "selective" else 0.0
