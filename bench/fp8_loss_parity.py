@@ -6,7 +6,9 @@ trained in bf16 and with FP8 linears per recipe, validated every --eval-interval
 
 Data: the Python standard library's sources (as `make demo`: examples/demo.py's corpus, a
 byte-level BPE of 16,384 tokens, Megatron .bin/.idx with end-of-document tokens, split 98/2),
-built once under --work. Model (`--size 350m`): LLaMA-style, 24 layers x 1024 (16 heads, SwiGLU
+built once under --work. A standard library is 3-8M tokens, which 1,000 steps of 16k tokens
+repeat; `--more-sources DIR` adds the Python files under DIR (a site-packages) and `--corpus-mb`
+caps the whole, for a corpus the run does not repeat (~100 MB for 1,000 steps). Model (`--size 350m`): LLaMA-style, 24 layers x 1024 (16 heads, SwiGLU
 ffn 2816, RMSNorm, RoPE), untied embeddings: 342M parameters; sequence 1024,
 global batch 16; AdamW 3e-4 with cosine decay to 3e-5 after 100 warm-up steps, clip 1.0; bf16
 weights with fp32 masters (the distributed optimizer). FP8 on the transformer layers' linears,
@@ -132,17 +134,25 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--eval-interval", type=int, default=50)
     parser.add_argument("--recipes", nargs="+", choices=list(RECIPES), default=["bf16", "tensorwise", "blockwise"])
-    parser.add_argument("--work", type=Path, default=ROOT / "runs" / "fp8_parity", help="where the dataset is built")
+    parser.add_argument("--work", type=Path, default=ROOT / "runs" / "fp8_parity",
+                        help="where the dataset is built (in a directory named after its sources)")
+    parser.add_argument("--more-sources", type=Path, nargs="+", default=[],
+                        help="directories whose Python files join the standard library's in the corpus")
+    parser.add_argument("--corpus-mb", type=float, help="cap the corpus at this many MB (default: all of it)")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "fp8_loss_parity.json")
     parser.add_argument("--plot", type=Path, help="write the curves as a PNG here")
     parser.add_argument("--at-once", action="store_true", help="train the recipes side by side, a process each")
     parser.add_argument("--log-dir", type=Path, help="keep each run's trainer log (JSON lines) here, written as it "
                         "trains (default: a temporary directory)")
     args = parser.parse_args()
-    data, tokenizer = prepare(args.work, vocab=16384, max_mb=None if args.size == "350m" else 1)
+    corpus_mb = args.corpus_mb if args.corpus_mb is not None else None if args.size == "350m" else 1
+    sources = "stdlib" + "".join(f"+{path.name}" for path in args.more_sources) + \
+        (f"-{corpus_mb:g}MB" if corpus_mb is not None else "")
+    work = args.work / sources   # another corpus, another directory: a built one is never reused by mistake
+    data, tokenizer = prepare(work, vocab=16384, max_mb=corpus_mb, more_roots=tuple(args.more_sources))
     flags = SIZES[args.size] + LLAMA + [
         "--data-path", str(data), "--split", "98,2,0", "--tokenizer-type", "HuggingFaceTokenizer",
-        "--tokenizer-model", str(tokenizer), "--data-cache-path", str(args.work / "cache"), "--num-workers", "1",
+        "--tokenizer-model", str(tokenizer), "--data-cache-path", str(work / "cache"), "--num-workers", "1",
         "--train-iters", str(args.steps), "--lr", "3e-4", "--min-lr", "3e-5", "--lr-decay-style", "cosine",
         "--lr-warmup-iters", str(min(100, args.steps // 10)), "--weight-decay", "0.1", "--adam-beta2", "0.95",
         "--clip-grad", "1.0", "--seed", "1234", "--bf16", "--use-distributed-optimizer",
@@ -154,6 +164,8 @@ def main() -> None:
         if args.at_once:   # the dataset is built above, once, before the runs start
             shared = ["--size", args.size, "--steps", str(args.steps), "--eval-interval", str(args.eval_interval),
                       "--work", str(args.work), "--log-dir", str(logs)]
+            shared += ["--more-sources", *map(str, args.more_sources)] if args.more_sources else []
+            shared += ["--corpus-mb", str(corpus_mb)] if corpus_mb is not None else []
             results = run_at_once(args.recipes, shared, logs)
         else:
             for recipe in args.recipes:

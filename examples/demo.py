@@ -35,14 +35,17 @@ def tessera(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "tessera", *args], check=True, cwd=ROOT)
 
 
-def prepare(work: Path = WORK, vocab: int = VOCAB, max_mb: float = 8) -> tuple[Path, Path]:
-    """Steps 1-3 under `work` (each skipped when its output exists): the dataset's prefix and the tokenizer."""
+def prepare(work: Path = WORK, vocab: int = VOCAB, max_mb: float = 8, more_roots: tuple[Path, ...] = ()
+            ) -> tuple[Path, Path]:
+    """Steps 1-3 under `work` (each skipped when its output exists): the dataset's prefix and the tokenizer.
+    `more_roots`: directories whose Python sources join the standard library's."""
     work.mkdir(parents=True, exist_ok=True)
     corpus, tokenizer = work / "stdlib.jsonl", work / "tokenizer.json"
     prefix = work / "stdlib"
     if not corpus.exists():
-        documents, size = build_stdlib_corpus(corpus, max_mb=max_mb)
-        print(f"[1/5] corpus: {documents} Python files from the standard library, {size / 1e6:.1f} MB")
+        documents, size = build_stdlib_corpus(corpus, max_mb=max_mb, more_roots=more_roots)
+        print(f"[1/5] corpus: {documents} Python files from the standard library"
+              f"{' and ' + ', '.join(map(str, more_roots)) if more_roots else ''}, {size / 1e6:.1f} MB")
     if not tokenizer.exists():
         print("[2/5] training a BPE tokenizer")
         tessera("train-tokenizer", "--input", str(corpus), "--output", str(tokenizer), "--vocab-size", str(vocab))
