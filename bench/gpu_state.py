@@ -5,6 +5,12 @@ gives for holding the clock down, sampled on a thread.
         run()
     record["gpu"] = gpu.summary()   # None without NVML (no GPU, or nvidia-ml-py not installed)
 
+    python3 bench/gpu_state.py [--busy-watts 300] -- COMMAND ...
+
+runs a command that samples nothing itself (the anchors' scripts) and prints, after it, one
+`GPU_STATE {...}` line over the samples drawing at least --busy-watts (its GPU work, not its
+start-up and compilation), so that both sides of a comparison carry their clocks.
+
 The same kernels' time on one H200 moved by 20% between runs (docs/performance.md, generation);
 the clock and the throttle reasons say whether the GPU or the code changed. NVML is read
 through nvidia-ml-py's `pynvml` (on the device image); the device index is NVML's, which is
@@ -13,7 +19,11 @@ CUDA's when CUDA_VISIBLE_DEVICES does not reorder the GPUs.
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
+import subprocess
+import sys
 import threading
 
 # NVML's clock-event (throttle) reason bits (nvml.h, nvmlClocksEventReason*)
@@ -69,15 +79,36 @@ class GpuSampler:
         return (nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM), nvml.nvmlDeviceGetPowerUsage(handle) / 1e3,
                 nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU), self._reasons(handle))
 
-    def summary(self) -> dict | None:
-        if not self.samples:
+    def summary(self, busy_watts: float = 0.0) -> dict | None:
+        """Over the samples drawing at least `busy_watts` (all of them by default)."""
+        samples = [sample for sample in self.samples if sample[1] >= busy_watts]
+        if not samples:
             return None if self.error is None else dict(samples=0, error=self.error)
-        clocks, watts, temperatures, reasons = zip(*self.samples)
+        clocks, watts, temperatures, reasons = zip(*samples)
         seen = 0
         for bits in reasons:
             seen |= bits
-        return dict(samples=len(self.samples), sm_clock_mhz_mean=round(statistics.fmean(clocks)),
+        return dict(samples=len(samples), sm_clock_mhz_mean=round(statistics.fmean(clocks)),
                     sm_clock_mhz_min=min(clocks), power_w_mean=round(statistics.fmean(watts), 1),
                     temperature_c_max=max(temperatures),
                     clock_limited_by=[name for bit, name in REASONS.items() if seen & bit],
                     **({} if self.error is None else dict(error=self.error)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run a command; then say what the GPU did while it was busy.")
+    parser.add_argument("--busy-watts", type=float, default=300.0,
+                        help="count the samples drawing at least this many watts (default 300: an H200 idles near 100)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("give the command to run after --")
+    with GpuSampler() as gpu:
+        returncode = subprocess.run(command).returncode
+    print("GPU_STATE " + json.dumps(gpu.summary(busy_watts=args.busy_watts)), flush=True)
+    return returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

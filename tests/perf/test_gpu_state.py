@@ -1,5 +1,6 @@
 """bench/gpu_state.py: what NVML said while a run went, summed up; nothing where there is no NVML."""
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -64,3 +65,24 @@ def test_a_reading_the_gpu_refuses_ends_the_sampling_and_is_said():
     with GpuSampler(interval_s=0.001, nvml=nvml) as sampler:
         pass   # the first reading fails; leaving joins the thread
     assert sampler.summary() == dict(samples=0, error="RuntimeError: Not Supported")
+
+
+def test_the_busy_summary_leaves_out_the_idle_samples():
+    readings = [(1980, 90_000, 40, 0x1), (1500, 700_000, 71, 0x4), (1600, 650_000, 70, 0x4)]
+    sampler = GpuSampler(interval_s=0.001, nvml=_fake_nvml(readings))
+    sampler.samples = [sampler._sample() for _ in readings]
+    assert sampler.summary(busy_watts=300) == dict(samples=2, sm_clock_mhz_mean=1550, sm_clock_mhz_min=1500,
+                                                   power_w_mean=675.0, temperature_c_max=71,
+                                                   clock_limited_by=["sw_power_cap"])
+    assert sampler.summary()["samples"] == 3
+
+
+def test_a_command_runs_under_the_sampler_and_keeps_its_exit_status(monkeypatch, capsys):
+    import gpu_state
+
+    monkeypatch.setattr(gpu_state, "_nvml", lambda: _fake_nvml([(1700, 650_000, 60, 0x4)]))
+    status = gpu_state.main(["--busy-watts", "300", "--", sys.executable, "-c", "import time; time.sleep(0.3); exit(3)"])
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert status == 3 and line.startswith("GPU_STATE ")
+    summary = json.loads(line.removeprefix("GPU_STATE "))
+    assert summary["samples"] >= 1 and summary["sm_clock_mhz_mean"] == 1700
