@@ -139,8 +139,9 @@ def test_config_b_against_the_measured_fp8_runs():
     41.3 GiB; tensorwise 78,923-80,962, 34.2 GiB; delayed 76,514; blockwise 54,102. Predicted when written:
     bf16 65,965 (-2.3%), 45.3 GiB; tensorwise 82,967 (+2.5..+5.1%), 38.2 GiB; delayed as tensorwise (+8.4%);
     blockwise 72,061 (+33%: the measured run loses 95 ms to tensorwise where the GEMM rates and these
-    casts account for 30, docs/scaling.md). The orderings are asserted, and the memory saving, which is
-    hand-computable and matches the measured 7.1 GiB."""
+    casts account for 30, docs/scaling.md). Since V stopped holding the QKV output alive (eleventh session):
+    bf16 39.4 GiB, tensorwise 32.3 GiB measured, 43.5 and 36.3 predicted. The orderings are asserted, and
+    the memory saving, which is hand-computable and matches the measured 7.1 GiB (before and after)."""
     model, bf16 = config_b(Layout())
     predictions = {recipe: config_b(fp8(recipe))[1] for recipe in ("tensorwise", "delayed", "blockwise")}
     tensorwise = predictions["tensorwise"]
@@ -150,7 +151,8 @@ def test_config_b_against_the_measured_fp8_runs():
     # Per layer, the norms' outputs and fc2's input of 16,384 tokens are rebuilt, not kept.
     saving = model.num_layers * 8 * 2048 * 2 * (2 * model.hidden_size + model.ffn_hidden_size)
     assert bf16.memory.total - tensorwise.memory.total == pytest.approx(saving)
-    assert saving / GIB == pytest.approx(41.3 - 34.2, abs=0.1)
+    for measured_bf16, measured_fp8 in ((41.3, 34.2), (39.4, 32.3)):   # before and after V's copy
+        assert saving / GIB == pytest.approx(measured_bf16 - measured_fp8, abs=0.1)
 
 
 def run(capsys, *argv):
