@@ -85,7 +85,7 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if v.requires_grad and (rope is not None or self.q_norm is not None):
             # q and k are new tensors: attention's backward keeps v, which as a view of the QKV
-            # output would keep all of it alive (with GQA, 5/6 of it for nothing).
+            # output would keep all of it alive (two thirds of it or more for nothing).
             v = v.contiguous()
         return attend_and_project(self, *(t.transpose(1, 2) for t in (q, k, v)), documents)
 

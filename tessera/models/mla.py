@@ -142,4 +142,6 @@ class MultiLatentAttention(nn.Module):
             return self.proj(out.transpose(1, 2).reshape(batch, seq, -1))
         k_nope, v = self.expand_latent(latent)
         k = torch.cat([k_nope, k_pos.expand(-1, -1, self.num_heads, -1)], dim=-1)
+        if v.requires_grad:   # attention's backward keeps v: as a view it would keep k_nope's half of kv_up's output
+            v = v.contiguous()
         return attend_and_project(self, *(t.transpose(1, 2) for t in (q, k, v)), documents)

@@ -162,8 +162,8 @@ def mla_saved_elements(model: ModelConfig, layout: Layout) -> tuple[float, float
     and after the norm); the up projections keep their gathered inputs (tessera; Megatron
     keeps its shard and gathers again); without q-LoRA the query projection is column-parallel
     and keeps its own gathered copy of the input. Per head, the attention's query and key
-    (d_qk + d_pe wide, built by concatenation), the up projection's keys and values (tessera's
-    values are a view of it; Megatron copies the values contiguous) and the attention output.
+    (d_qk + d_pe wide, built by concatenation), the values (copied out of the up projection's
+    output, so that they do not keep its keys alive) and the attention output.
     Measured with saved-tensor hooks on a compiled block (tests/perf/test_deepseek_plan.py).
     """
     h, n = model.hidden_size, model.num_attention_heads
@@ -175,8 +175,7 @@ def mla_saved_elements(model: ModelConfig, layout: Layout) -> tuple[float, float
     gathered = 2 * q_rank + 2 * kv_rank
     if not q_rank and tessera and (casts or layout.sequence_parallel):
         gathered += 2 * h   # q_proj's own copy of the input kv_down reads: its cast, or gathered under SP
-    keys_values = n * (qk + v) if tessera else n * v
-    return replicated, gathered, 2 * 2 * n * (qk + pos) + 2 * keys_values + 2 * n * v
+    return replicated, gathered, 2 * 2 * n * (qk + pos) + 2 * n * v + 2 * n * v
 
 
 def mtp_depth_activation_bytes(model: ModelConfig, layout: Layout, seq_length: int) -> float:

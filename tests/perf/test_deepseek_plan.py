@@ -125,6 +125,8 @@ def test_plan_fits_deepseek_v3_in_80_gb_on_its_layouts(capsys, gpus, gpu, tp):
         assert {"ep_comm", "expert_gemm", "attention", "pp_bubble"} <= result["time_s"].keys()
         assert result["memory_gib"]["activations"] > 0 and result["expert_state_gib"] > 0
     best = results[0]
-    assert best["layout"]["recompute"] in ("selective", "full")
-    assert "--recompute-granularity" in best["layout"]["flags"]
+    assert best["step_time_s"] == min(result["step_time_s"] for result in results)
+    if tp == 1:   # each GPU holds twice TP2's activations: over 100 GiB unless some are recomputed
+        assert best["layout"]["recompute"] in ("selective", "full")
+    assert ("--recompute-granularity" in best["layout"]["flags"]) == (best["layout"]["recompute"] != "none")
     assert sum(best["time_s"].values()) == pytest.approx(best["step_time_s"])
