@@ -8,7 +8,8 @@ Data: the Python standard library's sources (as `make demo`: examples/demo.py's 
 byte-level BPE of 16,384 tokens, Megatron .bin/.idx with end-of-document tokens, split 98/2),
 built once under --work. A standard library is 3-8M tokens, which 1,000 steps of 16k tokens
 repeat; `--more-sources DIR` adds the Python files under DIR (a site-packages) and `--corpus-mb`
-caps the whole, for a corpus the run does not repeat (~100 MB for 1,000 steps). Model (`--size 350m`): LLaMA-style, 24 layers x 1024 (16 heads, SwiGLU
+caps the whole, for a corpus the run does not repeat (~100 MB for 1,000 steps).
+Model (`--size 350m`): LLaMA-style, 24 layers x 1024 (16 heads, SwiGLU
 ffn 2816, RMSNorm, RoPE), untied embeddings: 342M parameters; sequence 1024,
 global batch 16; AdamW 3e-4 with cosine decay to 3e-5 after 100 warm-up steps, clip 1.0; bf16
 weights with fp32 masters (the distributed optimizer). FP8 on the transformer layers' linears,
