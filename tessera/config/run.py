@@ -53,6 +53,9 @@ class RunConfig:
         # The chunked GEMMs run outside Fp8Linear's scaling and FP8 backward.
         require(not (parallel.tp_comm_overlap and train.fp8_format),
                 "--tp-comm-overlap with --fp8-format is not supported")
+        # As Megatron: the moments' dtypes are the distributed optimizer's (its own AdamW kernel).
+        require(not self.optim.use_precision_aware_optimizer or parallel.use_distributed_optimizer,
+                "--use-precision-aware-optimizer needs --use-distributed-optimizer")
         require(
             model.num_attention_heads % tp == 0,
             f"--num-attention-heads ({model.num_attention_heads}) must be divisible by "

@@ -25,9 +25,16 @@ class OptimConfig:
     adam_beta2: float = option(0.999, "Adam beta2")
     adam_eps: float = option(1e-8, "Adam epsilon")
     clip_grad: float = option(1.0, "clip the global gradient norm to this (0 disables)")
+    use_precision_aware_optimizer: bool = option(False, "let --exp-avg-dtype / --exp-avg-sq-dtype set the Adam "
+                                                 "moments' dtype (with --use-distributed-optimizer)")
+    exp_avg_dtype: str = option("fp32", "dtype of Adam's first moment (bf16: rounded from fp32 maths each step)",
+                                ("fp32", "bf16"))
+    exp_avg_sq_dtype: str = option("fp32", "dtype of Adam's second moment", ("fp32", "bf16"))
 
     def __post_init__(self) -> None:
         require(self.lr is not None, "--lr is required")
+        require(self.use_precision_aware_optimizer or (self.exp_avg_dtype, self.exp_avg_sq_dtype) == ("fp32", "fp32"),
+                "--exp-avg-dtype and --exp-avg-sq-dtype need --use-precision-aware-optimizer")
         require(self.lr >= 0 and self.min_lr >= 0, "--lr and --min-lr must be >= 0")
         require(self.min_lr <= self.lr, f"--min-lr ({self.min_lr}) must not exceed --lr ({self.lr})")
         require(self.lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0")

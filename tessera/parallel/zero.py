@@ -31,7 +31,8 @@ from tessera.parallel.ddp import GradBuffer
 
 class DistributedOptimizer:
     def __init__(self, model: nn.Module, buffers: list[GradBuffer], optim: OptimConfig, *,
-                 param_dtype: torch.dtype = torch.float32, overlap_param_gather: bool = False):
+                 param_dtype: torch.dtype = torch.float32, overlap_param_gather: bool = False,
+                 moment_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32)):
         self.buffers = buffers
         self.overlap_param_gather = overlap_param_gather
         device = next(iter(buffers[0].ranges)).device
@@ -68,7 +69,7 @@ class DistributedOptimizer:
         self.optimizer = MasterAdamW(
             [g for g in groups if g["params"]] or [{"params": [torch.zeros(0, device=device)]}],
             models={master: view for master, view, _, _ in self._masters if master is not view},
-            lr=optim.lr, betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps,
+            moment_dtypes=moment_dtypes, lr=optim.lr, betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps,
         )
         self._gathers: dict[tuple[int, int], object] = {}   # (buffer, bucket) -> all-gather in flight
         if overlap_param_gather:
@@ -83,12 +84,13 @@ class DistributedOptimizer:
         return self.optimizer.state
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state on this rank: fp32 masters (if separate) and Adam moments."""
+        """Bytes of optimizer state on this rank: fp32 masters (if separate) and Adam moments (fp32 or bf16)."""
         moments = sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
                       for t in s.values() if torch.is_tensor(t) and t.ndim > 0)
         masters = sum(m.numel() * 4 for m, v, _, _ in self._masters if m is not v)
         if not self.optimizer.state:  # before the first step: what the moments will take
-            moments = 2 * sum(m.numel() * 4 for m, _, _, _ in self._masters)
+            per_element = sum(torch.empty((), dtype=dtype).element_size() for dtype in self.optimizer.moment_dtypes)
+            moments = per_element * sum(m.numel() for m, _, _, _ in self._masters)
         return moments + masters
 
     def slices(self) -> list[tuple[torch.Tensor, torch.Tensor, nn.Parameter, int]]:

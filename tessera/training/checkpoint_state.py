@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from tessera.kernels.adamw import MasterAdamW
 from tessera.kernels.fp8 import Fp8Linear
 from tessera.parallel.sharding import ShardSpec
 from tessera.parallel.zero import DistributedOptimizer
@@ -259,6 +260,8 @@ def optimizer_state(model: nn.Module, optimizer, *, create: bool = False) -> dic
 
 def _adam_state(optimizer: torch.optim.Optimizer, key: torch.Tensor, create: bool) -> dict:
     if create and key not in optimizer.state:
+        if isinstance(optimizer, MasterAdamW):   # its moments may be bf16
+            return optimizer.state_of(key)
         # What AdamW's first step makes (fused: a float32 step tensor on the parameter's device).
         optimizer.state[key] = {"step": torch.zeros((), dtype=torch.float32, device=key.device),
                                 "exp_avg": torch.zeros_like(key), "exp_avg_sq": torch.zeros_like(key)}

@@ -37,6 +37,9 @@ from tessera.parallel.sharding import allreduce_sequence_parallel_grads
 from tessera.parallel.zero import DistributedOptimizer
 
 
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}   # --exp-avg-dtype, --exp-avg-sq-dtype
+
+
 def _adamw(params: list[torch.Tensor], optim: OptimConfig) -> torch.optim.AdamW:
     decay = [p for p in params if p.ndim > 1]
     no_decay = [p for p in params if p.ndim <= 1]
@@ -200,7 +203,8 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, parallel: ParallelConf
     ) for members, group, size in groups if members]
     if parallel.use_distributed_optimizer:
         inner = DistributedOptimizer(model, buffers, optim, param_dtype=torch.bfloat16 if bf16 else torch.float32,
-                                     overlap_param_gather=parallel.overlap_param_gather)
+                                     overlap_param_gather=parallel.overlap_param_gather,
+                                     moment_dtypes=(_DTYPES[optim.exp_avg_dtype], _DTYPES[optim.exp_avg_sq_dtype]))
         return TrainingOptimizer(model, optim, mesh, buffers=buffers, inner=inner, dp_sharded=True,
                                  pipeline=pipeline)
     return TrainingOptimizer(model, optim, mesh, buffers=buffers, inner=_adamw(params, optim), dp_sharded=False,

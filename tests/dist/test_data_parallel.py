@@ -116,3 +116,11 @@ def test_fp16_overflow_skips_agree_across_ranks():
     results = run_distributed(equivalence.train_layouts, 2,
                               {"dist-opt": FP16 + ["--use-distributed-optimizer", "--overlap-grad-reduce"]})
     assert_equivalent(reference, results[0]["dist-opt"], "DP=2 fp16 distributed optimizer")
+
+
+def test_bf16_moments_shard_like_fp32_ones():
+    """--use-precision-aware-optimizer with bf16 moments: DP=2 steps each slice as one process does."""
+    flags = ["--use-distributed-optimizer", "--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16",
+             "--exp-avg-sq-dtype", "bf16", "--overlap-grad-reduce"]
+    results = run_distributed(equivalence.train_layouts, 2, {"bf16 moments": flags})
+    assert_equivalent(train(flags), results[0]["bf16 moments"], "DP=2 distributed optimizer, bf16 moments")
