@@ -81,6 +81,8 @@ def _fixed_layout(values: dict, args: argparse.Namespace, model: ModelConfig) ->
                     last_stage_layers=_setting(values, args, "decoder_last_pipeline_num_layers"),
                     sequence_parallel=bool(_setting(values, args, "sequence_parallel")),
                     distributed_optimizer=bool(_setting(values, args, "use_distributed_optimizer")),
+                    exp_avg_dtype=_setting(values, args, "exp_avg_dtype", "fp32"),
+                    exp_avg_sq_dtype=_setting(values, args, "exp_avg_sq_dtype", "fp32"),
                     fsdp=bool(_setting(values, args, "use_torch_fsdp2")),
                     recompute=_setting(values, args, "recompute_granularity", "none"),
                     overlap_grad_reduce=bool(_setting(values, args, "overlap_grad_reduce")),
@@ -128,7 +130,8 @@ def _space(values: dict, args: argparse.Namespace, model: ModelConfig) -> Search
                        tp_comm_overlap=bool(_setting(values, args, "tp_comm_overlap")),
                        overlap_p2p_communication=bool(_setting(values, args, "overlap_p2p_communication")),
                        compiled=_setting(values, args, "compile") is not False, framework="tessera",
-                       fp8=_fp8(values, args))
+                       fp8=_fp8(values, args), moment_dtypes=(_setting(values, args, "exp_avg_dtype", "fp32"),
+                                                              _setting(values, args, "exp_avg_sq_dtype", "fp32")))
 
 
 def as_dict(prediction: Prediction, model: ModelConfig, capacity: float) -> dict:

@@ -39,6 +39,8 @@ class Layout:
     micro_batch_size: int = 1         # --micro-batch-size
     sequence_parallel: bool = False   # --sequence-parallel
     distributed_optimizer: bool = False  # --use-distributed-optimizer (ZeRO-1)
+    exp_avg_dtype: str = "fp32"       # --exp-avg-dtype (bf16 with --use-precision-aware-optimizer)
+    exp_avg_sq_dtype: str = "fp32"    # --exp-avg-sq-dtype
     fsdp: bool = False                # --use-torch-fsdp2 (ZeRO-3)
     recompute: str = "none"           # --recompute-granularity (none, selective, full)
     overlap_grad_reduce: bool = True  # --overlap-grad-reduce
@@ -54,6 +56,11 @@ class Layout:
     num_layers_at_start_in_bf16: int = TrainConfig.num_layers_at_start_in_bf16   # --num-layers-at-start-in-bf16
     num_layers_at_end_in_bf16: int = TrainConfig.num_layers_at_end_in_bf16       # --num-layers-at-end-in-bf16
     no_fp8_wgrad: bool = False                                           # --no-fp8-wgrad
+
+    @property
+    def moment_bytes(self) -> float:
+        """Bytes a parameter of Adam's two moments (the distributed optimizer's; 4 each in fp32)."""
+        return sum(2.0 if dtype == "bf16" else 4.0 for dtype in (self.exp_avg_dtype, self.exp_avg_sq_dtype))
 
     @property
     def gpus(self) -> int:
@@ -167,6 +174,9 @@ class Layout:
             flags.append("--use-torch-fsdp2")
         elif self.distributed_optimizer:
             flags.append("--use-distributed-optimizer")
+        if self.distributed_optimizer and not self.fsdp and self.moment_bytes < 8:
+            flags += ["--use-precision-aware-optimizer", "--exp-avg-dtype", self.exp_avg_dtype,
+                      "--exp-avg-sq-dtype", self.exp_avg_sq_dtype]
         if self.recompute == "full":   # what memory.py models: each layer keeps only its input
             flags += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
         elif self.recompute != "none":
