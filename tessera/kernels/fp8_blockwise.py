@@ -125,8 +125,8 @@ class _BlockwiseMatmul(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
         grad_x = blockwise_mm(*quantize_tiles(grad), *quantize_blocks(weight.t()), ctx.out_dtype)
-        if ctx.fp8_wgrad:
-            grad_w = blockwise_mm(*quantize_tiles(grad.t()), *quantize_tiles(x.t()), torch.float32)
+        if ctx.fp8_wgrad:   # straight into the weight's dtype, as the tensorwise recipe's
+            grad_w = blockwise_mm(*quantize_tiles(grad.t()), *quantize_tiles(x.t()), weight.dtype)
         else:
-            grad_w = grad.to(ctx.out_dtype).t() @ x.to(ctx.out_dtype)
-        return grad_x, grad_w.to(weight.dtype), None, None
+            grad_w = (grad.to(ctx.out_dtype).t() @ x.to(ctx.out_dtype)).to(weight.dtype)
+        return grad_x, grad_w, None, None
