@@ -85,6 +85,20 @@ def test_distributed_optimizer_shards_only_the_optimizer_state():
     assert fsdp.weights == pytest.approx(one.weights / 4)
 
 
+def test_tessera_distributed_optimizer_keeps_no_gradient_buffer_with_nothing_to_reduce():
+    """One GPU and one micro-batch: autograd's bf16 gradients are the main gradients, made as the
+    backward frees activations, so none lives at the peak; two micro-batches or two replicas need the
+    fp32 buffer (tessera.training.optimizer.build_optimizer's `stored`)."""
+    model, tessera = gpt(), dict(framework="tessera", distributed_optimizer=True, micro_batch_size=B)
+    parameters = stage_parameters(model, Layout(), 1024, 0).total   # vocab 1000 padded to 1024
+    alone = estimate_memory(model, Layout(**tessera), B, S)
+    accumulating = estimate_memory(model, Layout(**tessera), 2 * B, S)
+    replicated = estimate_memory(model, Layout(dp=2, **tessera), 2 * B, S)
+    assert alone.gradients == 0
+    assert accumulating.gradients == replicated.gradients == pytest.approx(4 * parameters)
+    assert estimate_memory(model, Layout(distributed_optimizer=True, micro_batch_size=B), B, S).gradients > 0   # Megatron
+
+
 def test_megatron_core_on_one_h200_matches_the_measured_peak():
     # shared/anchors: Megatron-Core 0.16 config A (GPT 1.3B, mbs 8, seq 2048, no dropout,
     # SDPA) peaked at 50.88 GiB on one GPU and 43.53 GiB per GPU with DP=2 and the
