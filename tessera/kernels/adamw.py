@@ -96,6 +96,8 @@ class MasterAdamW(torch.optim.AdamW):
 
     def _reference_step(self, grads: dict[torch.Tensor, torch.Tensor]) -> None:
         """The kernel's maths in torch, one tensor at a time (moments read into fp32, stored rounded)."""
+        if not grads:   # a rank that owns no slice
+            return
         device = next(iter(grads)).device
         found_inf = getattr(self, "found_inf", None)
         grad_scale = getattr(self, "grad_scale", None)

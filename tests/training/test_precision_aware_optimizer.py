@@ -113,3 +113,10 @@ def test_flags_that_cannot_combine_are_named(flags, message, capsys):
     with pytest.raises(SystemExit):
         run_config(*FLAGS, *flags)
     assert capsys.readouterr().err.strip().endswith(f"error: {message}")
+
+
+def test_a_step_with_no_gradient_is_a_no_op():
+    empty = torch.zeros(0)   # the distributed optimizer's stand-in on a rank that owns no slice
+    optimizer = MasterAdamW([{"params": [empty]}], models={}, moment_dtypes=(torch.bfloat16, torch.bfloat16), **KWARGS)
+    optimizer.step()
+    assert not optimizer.state
