@@ -146,7 +146,7 @@ def main() -> None:
     parser.add_argument("--log-dir", type=Path, help="keep each run's trainer log (JSON lines) here, written as it "
                         "trains (default: a temporary directory)")
     args = parser.parse_args()
-    corpus_mb = args.corpus_mb if args.corpus_mb is not None else None if args.size == "350m" else 1
+    corpus_mb = 1 if args.corpus_mb is None and args.size == "tiny" else args.corpus_mb   # tiny: a CPU check
     sources = "stdlib" + "".join(f"+{path.name}" for path in args.more_sources) + \
         (f"-{corpus_mb:g}MB" if corpus_mb is not None else "")
     work = args.work / sources   # another corpus, another directory: a built one is never reused by mistake

@@ -23,7 +23,7 @@ from tessera.config import SECTIONS, ConfigError, ModelConfig
 from tessera.perf.cluster import CLUSTERS, lookup_cluster
 from tessera.cli.flops import parameter_summary
 from tessera.perf.kernels import load_curves
-from tessera.perf.layout import FP8_FIELDS, Layout, check_layout
+from tessera.perf.layout import FP8_FIELDS, MOMENT_FIELDS, Layout, check_layout
 from tessera.perf.memory import GIB, usable_bytes
 from tessera.perf.search import SearchSpace, search
 from tessera.perf.simulator import Prediction, predict
@@ -81,8 +81,6 @@ def _fixed_layout(values: dict, args: argparse.Namespace, model: ModelConfig) ->
                     last_stage_layers=_setting(values, args, "decoder_last_pipeline_num_layers"),
                     sequence_parallel=bool(_setting(values, args, "sequence_parallel")),
                     distributed_optimizer=bool(_setting(values, args, "use_distributed_optimizer")),
-                    exp_avg_dtype=_setting(values, args, "exp_avg_dtype", "fp32"),
-                    exp_avg_sq_dtype=_setting(values, args, "exp_avg_sq_dtype", "fp32"),
                     fsdp=bool(_setting(values, args, "use_torch_fsdp2")),
                     recompute=_setting(values, args, "recompute_granularity", "none"),
                     overlap_grad_reduce=bool(_setting(values, args, "overlap_grad_reduce")),
@@ -90,13 +88,18 @@ def _fixed_layout(values: dict, args: argparse.Namespace, model: ModelConfig) ->
                     tp_comm_overlap=bool(_setting(values, args, "tp_comm_overlap")),
                     overlap_p2p_communication=bool(_setting(values, args, "overlap_p2p_communication")),
                     compiled=_setting(values, args, "compile") is not False,  # tessera compiles on GPUs
-                    framework="tessera", **_fp8(values, args))
+                    framework="tessera", **_fp8(values, args), **_moments(values, args))
     return layout, _setting(values, args, "global_batch_size", mbs * dp)
 
 
 def _fp8(values: dict, args: argparse.Namespace) -> dict:
     """tessera train's FP8 flags as given (its defaults otherwise), as Layout fields."""
     return {name: _setting(values, args, name, getattr(Layout, name)) for name in FP8_FIELDS}
+
+
+def _moments(values: dict, args: argparse.Namespace) -> dict:
+    """tessera train's --exp-avg-dtype / --exp-avg-sq-dtype as given (fp32 otherwise), as Layout fields."""
+    return {name: _setting(values, args, name, getattr(Layout, name)) for name in MOMENT_FIELDS}
 
 
 def _virtual_stages(values: dict, args: argparse.Namespace, model: ModelConfig, pp: int) -> int | None:
@@ -130,8 +133,7 @@ def _space(values: dict, args: argparse.Namespace, model: ModelConfig) -> Search
                        tp_comm_overlap=bool(_setting(values, args, "tp_comm_overlap")),
                        overlap_p2p_communication=bool(_setting(values, args, "overlap_p2p_communication")),
                        compiled=_setting(values, args, "compile") is not False, framework="tessera",
-                       fp8=_fp8(values, args), moment_dtypes=(_setting(values, args, "exp_avg_dtype", "fp32"),
-                                                              _setting(values, args, "exp_avg_sq_dtype", "fp32")))
+                       fp8=_fp8(values, args), moments=_moments(values, args))
 
 
 def as_dict(prediction: Prediction, model: ModelConfig, capacity: float) -> dict:

@@ -89,7 +89,7 @@ class DistributedOptimizer:
                       for t in s.values() if torch.is_tensor(t) and t.ndim > 0)
         masters = sum(m.numel() * 4 for m, v, _, _ in self._masters if m is not v)
         if not self.optimizer.state:  # before the first step: what the moments will take
-            per_element = sum(torch.empty((), dtype=dtype).element_size() for dtype in self.optimizer.moment_dtypes)
+            per_element = sum(dtype.itemsize for dtype in self.optimizer.moment_dtypes)
             moments = per_element * sum(m.numel() for m, _, _, _ in self._masters)
         return moments + masters
 

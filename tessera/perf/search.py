@@ -63,7 +63,7 @@ class SearchSpace:
     compiled: bool = False
     framework: str = "megatron"
     fp8: dict | None = None   # the FP8 settings (Layout's FP8_FIELDS), held fixed; None: bf16
-    moment_dtypes: tuple[str, str] = ("fp32", "fp32")   # --exp-avg-dtype, --exp-avg-sq-dtype (distributed optimizer)
+    moments: dict | None = None   # the Adam moments' dtypes (Layout's MOMENT_FIELDS), held fixed; None: fp32
 
 
 def candidates(model: ModelConfig, gpus: int, gpus_per_node: int, global_batch_size: int, seq_length: int,
@@ -92,8 +92,8 @@ def candidates(model: ModelConfig, gpus: int, gpus_per_node: int, global_batch_s
                             sequence_parallel=tp > 1, tp_comm_overlap=space.tp_comm_overlap and tp > 1,
                             overlap_p2p_communication=space.overlap_p2p_communication and pp > 1,
                             distributed_optimizer=dp * cp > 1 or tp * cp * dp > ep * (etp or tp),  # or EDP > 1
-                            exp_avg_dtype=space.moment_dtypes[0], exp_avg_sq_dtype=space.moment_dtypes[1],
-                            compiled=space.compiled, framework=space.framework, **(space.fp8 or {}))
+                            compiled=space.compiled, framework=space.framework, **(space.fp8 or {}),
+                            **(space.moments or {}))
             try:
                 check_layout(model, layout, global_batch_size, seq_length)
             except ConfigError:
