@@ -42,6 +42,7 @@ def main() -> None:
     parser.add_argument("--config", choices=sorted(CONFIGS), default="B")
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--top", type=int, default=25, help="how many kernels to list")
     parser.add_argument("--out")
     parser.add_argument("extra", nargs="*")
     args = parser.parse_args()
@@ -64,7 +65,7 @@ def main() -> None:
     for kind, us in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         print(f"  {kind:<20} {us / args.steps / 1e3:8.1f} ms  {us / total * 100:5.1f}%")
     print("top kernels:")
-    for e in sorted(events, key=lambda e: -e.device_time_total)[:25]:
+    for e in sorted(events, key=lambda e: -e.device_time_total)[:args.top]:
         print(f"  {e.device_time_total / args.steps / 1e3:8.2f} ms  x{e.count // args.steps:<5d} {e.key[:110]}")
     if args.out:
         prof.export_chrome_trace(str(Path(args.out) / f"trace_{args.config}.json"))

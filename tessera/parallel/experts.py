@@ -190,7 +190,7 @@ class _CopyToPairs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (inverse,) = ctx.saved_tensors
-        return grad[inverse].view(-1, ctx.per_token, grad.shape[-1]).sum(dim=1), None, None, None
+        return _sum_per_token(grad, inverse, ctx.per_token), None, None, None
 
 
 class _SumPairs(torch.autograd.Function):
@@ -200,13 +200,24 @@ class _SumPairs(torch.autograd.Function):
     def forward(ctx, y, order, inverse, per_token):
         ctx.save_for_backward(order)
         ctx.per_token = per_token
-        return y[inverse].view(-1, per_token, y.shape[-1]).sum(dim=1)
+        return _sum_per_token(y, inverse, per_token)
 
     @staticmethod
     def backward(ctx, grad):
         (order,) = ctx.saved_tensors
         pairs = grad.unsqueeze(1).expand(-1, ctx.per_token, -1).reshape(-1, grad.shape[-1])
         return pairs[order], None, None, None
+
+
+def _sum_per_token(rows: torch.Tensor, inverse: torch.Tensor, per_token: int) -> torch.Tensor:
+    """Token t's sum of rows[inverse[t k + j]] over its k pairs j, added in fp32. Written as k
+    gathers added in turn: as an index then a sum over k, inductor made a reduction over a
+    strided axis that ran at ~1 TB/s on an H200 (7.7 ms of config M's step; 2.8 ms so)."""
+    pairs = inverse.view(-1, per_token)
+    total = rows[pairs[:, 0]].float()
+    for j in range(1, per_token):
+        total = total + rows[pairs[:, j]]
+    return total.to(rows.dtype)
 
 
 # -- collectives and index arithmetic ---------------------------------------------------------
