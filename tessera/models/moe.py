@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.config import ModelConfig
+from tessera.kernels.swiglu import weighted_swiglu
 from tessera.models.mlp import MLP, activation
 from tessera.models.router import Router
 from tessera.parallel.experts import ExpertGroups, build_dispatcher
@@ -112,8 +113,10 @@ class GroupedExperts(nn.Module):
         return torch.cat(outputs)
 
     def _weighted_activation(self, hidden: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        # In fp32 (a compiled block fuses it into one pass), back to the GEMMs' dtype.
-        out = activation(hidden.float(), swiglu=self.swiglu, openai_gelu=self.openai_gelu) * probs.unsqueeze(-1)
+        # In fp32, back to the GEMMs' dtype: SwiGLU by one kernel each way, GeLU as a compiled block fuses it.
+        if self.swiglu:
+            return weighted_swiglu(hidden, probs)
+        out = activation(hidden.float(), swiglu=False, openai_gelu=self.openai_gelu) * probs.unsqueeze(-1)
         return out.to(hidden.dtype)
 
 

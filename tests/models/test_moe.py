@@ -118,3 +118,18 @@ def test_dispatch_then_combine_gives_back_k_copies_of_each_token():
     assert rows.tokens_per_expert.sum() == 30 and torch.equal(rows.tokens_per_expert,
                                                               torch.bincount(routing.expert_index, minlength=4))
     torch.testing.assert_close(moe.dispatcher.combine(rows.hidden, rows), 3 * tokens)
+
+
+def test_weighted_swiglu_gradients_are_the_numerical_ones():
+    """The experts' activation (tessera.kernels.swiglu, one kernel each way on CUDA): its torch path
+    in fp64 against finite differences, and its registration (fake tensors, autograd) by opcheck."""
+    from tessera.kernels.swiglu import weighted_swiglu
+
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(5, 6, dtype=torch.float64, generator=generator, requires_grad=True)
+    probs = torch.rand(5, dtype=torch.float64, generator=generator, requires_grad=True)
+    assert torch.autograd.gradcheck(weighted_swiglu, (hidden, probs))
+    gate, up = hidden.detach().chunk(2, dim=-1)
+    torch.testing.assert_close(weighted_swiglu(hidden, probs), F.silu(gate) * up * probs.detach()[:, None])
+    torch.library.opcheck(weighted_swiglu, (hidden.float().detach().requires_grad_(), probs.float().detach()))
+    assert weighted_swiglu(hidden[:0].bfloat16(), probs[:0].float()).shape == (0, 3)
