@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+
 from tessera.cli.args import fail, parse_run_config
 from tessera.config import ConfigError
 
@@ -30,7 +33,10 @@ def main(argv: list[str]) -> int:
     except LaunchError as exc:
         fail(PROG, str(exc))
     launch.export()
-    config, _ = parse_run_config(argv, PROG, world_size=launch.world_size)
+    # The ranks of a node run the same command line: its errors are printed by the node's first rank
+    # alone (each node's, since nodes may be launched with different flags).
+    with contextlib.redirect_stderr(io.StringIO()) if launch.local_rank else contextlib.nullcontext():
+        config, _ = parse_run_config(argv, PROG, world_size=launch.world_size)
     if config.parallel.print_schedule:
         if launch.rank == 0:
             try:

@@ -88,6 +88,17 @@ def test_a_bad_context_parallel_layout_is_refused_at_start():
     assert "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes" in result.stderr
 
 
+@pytest.mark.parametrize("rank, local_rank", [("0", "0"), ("1", "1"), ("1", "0")])
+def test_a_command_line_error_is_printed_once_a_node(rank, local_rank):
+    """The ranks of a node parse the same flags: one copy of the error per node, not one per rank."""
+    result = subprocess.run([sys.executable, "-m", "tessera", "train", "--model", "tiny-gpt", "--mock-data", "--lr",
+                             "1", "--train-iters", "1", "--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p"],
+                            capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "WORLD_SIZE": "2", "RANK": rank, "LOCAL_RANK": local_rank})
+    assert result.returncode == 2
+    assert ("--cp-comm-type a2a+p2p" in result.stderr) == (local_rank == "0")
+
+
 def test_expert_parallelism_needs_experts():
     result = tessera("train", "--model", "tiny-gpt", "--mock-data", "--lr", "1", "--train-iters", "1",
                      "--expert-model-parallel-size", "2")
