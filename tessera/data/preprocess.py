@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import glob
 import gzip
-import multiprocessing
 import os
+import signal
 import sys
 import time
 from collections import deque
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -110,11 +111,14 @@ def read_blocks(paths: list[str], block_bytes: int = BLOCK_BYTES) -> Iterator[Bl
                 line_number += len(lines)
 
 
-# Worker-process state, set once by the pool initializer.
+# Worker-process state, set once by the pool's initializer.
 _worker: dict = {}
 
 
 def _init_worker(data: DataConfig, vocab_size: int | None, options: EncodeOptions, dtype: np.dtype) -> None:
+    # A forked worker inherits the parent's signal handlers; one that only notes SIGTERM (a Trainer's
+    # --exit-signal-handler, a user's script) would keep it alive when the job is stopped.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     # Each worker is one core's worth of tokenizing: no thread pools inside the tokenizers.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     os.environ["RAYON_NUM_THREADS"] = "1"
@@ -170,14 +174,18 @@ def preprocess(inputs: list[str], output: str, data: DataConfig, *, json_keys: l
     progress = _Progress(sum(os.path.getsize(p) for p in paths), log_interval)
     start = time.perf_counter()
     try:
-        with multiprocessing.Pool(workers, _init_worker, (data, vocab_size, options, dtype)) as pool:
+        # Leaving the executor, also on an error, waits for the blocks in flight (a few) and lets
+        # the workers exit. multiprocessing.Pool's terminate() could hang there instead: its
+        # workers blocked writing large results that nothing read any more.
+        with ProcessPoolExecutor(workers, initializer=_init_worker,
+                                 initargs=(data, vocab_size, options, dtype)) as pool:
             pending: deque = deque()
             for block in read_blocks(paths, block_bytes):
-                pending.append(pool.apply_async(_encode, (block,)))
+                pending.append(pool.submit(_encode, block))
                 if len(pending) >= BLOCKS_IN_FLIGHT_PER_WORKER * workers:
-                    _write(*pending.popleft().get(), writers, summary, skip_bad_lines, progress)
+                    _write(*pending.popleft().result(), writers, summary, skip_bad_lines, progress)
             while pending:
-                _write(*pending.popleft().get(), writers, summary, skip_bad_lines, progress)
+                _write(*pending.popleft().result(), writers, summary, skip_bad_lines, progress)
     except BaseException:
         for writer in writers.values():
             writer.abort()

@@ -2,6 +2,8 @@
 
 import gzip
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -104,6 +106,39 @@ def test_bad_line_stops_with_file_and_line_and_leaves_no_output(tmp_path, line, 
     with pytest.raises(PreprocessError, match=rf"in\.jsonl:51: {reason}"):
         preprocess([path], str(tmp_path / "out"), BYTES, workers=2, block_bytes=64)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
+STOPS_WITHOUT_HANGING = """
+import json, signal, sys
+from tessera.config import DataConfig
+from tessera.data.preprocess import PreprocessError, preprocess
+signal.signal(signal.SIGTERM, lambda *_: None)   # as a Trainer with --exit-signal-handler leaves it
+folder = sys.argv[1]
+lines = [json.dumps({"text": f"document {i} " * 2000}) for i in range(300)]
+with open(folder + "/good.jsonl", "w") as f:
+    f.write("\\n".join(lines) + "\\n")
+lines[3] = "{not json"
+with open(folder + "/bad.jsonl", "w") as f:
+    f.write("\\n".join(lines) + "\\n")
+for attempt in range(8):
+    try:
+        preprocess([folder + "/bad.jsonl"], folder + "/out", DataConfig(tokenizer_type="ByteTokenizer"),
+                   workers=2, block_bytes=1 << 16)
+    except PreprocessError:
+        pass
+    preprocess([folder + "/good.jsonl"], folder + f"/out{attempt}", DataConfig(tokenizer_type="ByteTokenizer"),
+               workers=2, block_bytes=1 << 16)
+print("done")
+"""
+
+
+def test_an_error_with_blocks_in_flight_stops_without_hanging(tmp_path):
+    """A bad line while the workers still encode large blocks: multiprocessing.Pool's terminate()
+    hung there (workers blocked writing results nothing read), in most of a few tries; so does a
+    pool whose parent only notes SIGTERM. In a subprocess, so that a hang fails the test."""
+    result = subprocess.run([sys.executable, "-c", STOPS_WITHOUT_HANGING, str(tmp_path)], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "done", result.stderr[-2000:]
 
 
 def test_skip_bad_lines_drops_them_from_every_key_and_counts(tmp_path):
