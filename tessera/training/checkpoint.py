@@ -221,8 +221,20 @@ class Checkpointer:
         self._sigterm = False
         # Background writes must not interleave their collectives with training's.
         self._group = dist.new_group(backend="gloo") if dist.is_initialized() and self.options.async_save else None
-        if self.train.exit_signal_handler:
-            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    @contextlib.contextmanager
+    def exit_signal(self):
+        """While training, with --exit-signal-handler: SIGTERM asks for a save and a stop at the end of
+        the iteration. The handler before it comes back afterwards, so that a process (or a worker it
+        forks later) does not keep ignoring SIGTERM once training is over."""
+        if not self.train.exit_signal_handler:
+            yield
+            return
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
 
     def _on_sigterm(self, _signum, _frame) -> None:
         self._sigterm = True

@@ -300,7 +300,7 @@ class Trainer:
         history: list[StepResult] = []
         pending: list[StepResult] = []
         interval_start = time.perf_counter()
-        with self._attention:
+        with self._attention, self.checkpointer.exit_signal():
             while self.iteration < train.train_iters:
                 pending.append(self.train_step())
                 if self.nan_check is not None:

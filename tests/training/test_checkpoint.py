@@ -89,8 +89,10 @@ def test_sigterm_saves_at_the_end_of_the_iteration_and_stops(tmp_path):
         return result
 
     trainer.train_step = step_then_signal
+    before = signal.getsignal(signal.SIGTERM)
     assert len(trainer.train()) == 2
     assert read_tracker(tmp_path) == 2
+    assert signal.getsignal(signal.SIGTERM) is before   # the handler is training's only
 
 
 _KILLED_IN_SAVE = """
