@@ -17,10 +17,11 @@ from tessera.parallel.pipeline_schedules import stage_layer_ranges
 
 RECOMPUTE = ("none", "selective", "full")
 DISPATCHERS = ("allgather", "alltoall")
-# `tessera train`'s FP8 settings (tessera.config.training), which Layout carries under the same names.
-MOMENT_FIELDS = ("exp_avg_dtype", "exp_avg_sq_dtype")   # the precision-aware optimizer's
+# `tessera train`'s FP8 and precision-aware optimizer settings (tessera.config.training), which
+# Layout carries under the same names.
 FP8_FIELDS = ("fp8_format", "fp8_recipe", "first_last_layers_bf16", "num_layers_at_start_in_bf16",
               "num_layers_at_end_in_bf16", "no_fp8_wgrad")
+MOMENT_FIELDS = ("exp_avg_dtype", "exp_avg_sq_dtype")
 
 
 @dataclass(frozen=True)

@@ -175,7 +175,8 @@ def mla_saved_elements(model: ModelConfig, layout: Layout) -> tuple[float, float
     gathered = 2 * q_rank + 2 * kv_rank
     if not q_rank and tessera and (casts or layout.sequence_parallel):
         gathered += 2 * h   # q_proj's own copy of the input kv_down reads: its cast, or gathered under SP
-    return replicated, gathered, 2 * 2 * n * (qk + pos) + 2 * n * v + 2 * n * v
+    queries_keys, values, output = 2 * 2 * n * (qk + pos), 2 * n * v, 2 * n * v
+    return replicated, gathered, queries_keys + values + output
 
 
 def mtp_depth_activation_bytes(model: ModelConfig, layout: Layout, seq_length: int) -> float:
