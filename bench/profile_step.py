@@ -2,8 +2,10 @@
 
     python bench/profile_step.py --config B [--steps 3] [--out trace_dir] [-- extra tessera flags]
 
-Prints the top CUDA kernels and a breakdown by kind (GEMM, attention, optimizer,
-elementwise/reduction, copies), as a fraction of the step.
+Prints the top CUDA kernels, a breakdown by kind (GEMM, attention, optimizer,
+elementwise/reduction, copies) as a fraction of the step, and how much of the step the GPU
+has no kernel running, with the longest such gaps (where it waits for the host). Host
+activity is recorded only with --out (it slows the host and so widens the gaps).
 """
 
 from __future__ import annotations
@@ -37,6 +39,26 @@ def kind_of(name: str) -> str:
     return next((kind for kind, keys in KINDS if any(k in lowered for k in keys)), "elementwise/other")
 
 
+def print_gaps(prof, steps: int, longest: int = 8) -> None:
+    """GPU time with no kernel running, from the kernels' intervals, and the longest gaps."""
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    if not kernels:
+        return
+    gaps, busy_until, before = [], kernels[0][0], kernels[0][2]
+    for start, end, name in kernels:
+        if start > busy_until:
+            gaps.append((start - busy_until, before, name))
+        if end > busy_until:
+            busy_until, before = end, name
+    idle = sum(gap for gap, _, _ in gaps)
+    span = busy_until - kernels[0][0]
+    print(f"GPU idle: {idle / steps / 1e3:.2f} ms per step of {span / steps / 1e3:.1f} ({idle / span:.1%}), "
+          f"{len(gaps) // steps} gaps a step; the longest:")
+    for gap, before, after in sorted(gaps, reverse=True)[:longest]:
+        print(f"  {gap / 1e3:7.3f} ms  after {before[:60]}  before {after[:60]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", choices=sorted(CONFIGS), default="B")
@@ -52,7 +74,8 @@ def main() -> None:
     for _ in range(args.warmup):
         trainer.train_step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if args.out else [])
+    with profile(activities=activities) as prof:
         for _ in range(args.steps):
             trainer.train_step()
         torch.cuda.synchronize()
@@ -67,6 +90,7 @@ def main() -> None:
     print("top kernels:")
     for e in sorted(events, key=lambda e: -e.device_time_total)[:args.top]:
         print(f"  {e.device_time_total / args.steps / 1e3:8.2f} ms  x{e.count // args.steps:<5d} {e.key[:110]}")
+    print_gaps(prof, args.steps)
     if args.out:
         prof.export_chrome_trace(str(Path(args.out) / f"trace_{args.config}.json"))
 
