@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.config import OptimConfig, ParallelConfig
+from tessera.kernels.sum_of_squares import sum_of_squares
 from tessera.parallel.ddp import GradBuffer, default_bucket_size
 from tessera.parallel.mesh import Mesh
 from tessera.parallel.pipeline import PipelineGroups, sum_tied_grads
@@ -133,7 +134,7 @@ class TrainingOptimizer:
                 masked.append(grad.flatten() * mask.to(grad.device))
         squares = torch.zeros((), device=next(self.model.parameters()).device)
         if plain or masked:
-            squares += _sum_of_squares(plain + masked)
+            squares += sum_of_squares(plain + masked)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(squares)   # every element was counted on exactly one rank
         return squares.sqrt()
@@ -225,8 +226,3 @@ def _fsdp_row_offset(param: nn.Parameter) -> int | None:
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (FSDP2), or the tensor itself."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
-    norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)   # also for bf16 gradients
-    return torch.stack(norms).square().sum()
