@@ -102,6 +102,7 @@ class MoEBalance:
         self.micro_batch_weight = 1.0 / (num_micro_batches * mesh.dp_size)
         self.pattern = model.config.moe_layers(with_mtp=True)   # of the whole model, also under PP
         self.total_moe_layers = sum(self.pattern)
+        self._row_index: torch.Tensor | None = None
         # From the config: a pipeline stage may hold no MoE layer, yet joins the same collectives.
         self.loss_names = [LOSS_NAMES[name] for name in loss_coefficients(model.config)] \
             if model.config.num_experts else []
@@ -109,6 +110,13 @@ class MoEBalance:
     @property
     def active(self) -> bool:
         return self.total_moe_layers > 0
+
+    def _rows(self, device: torch.device) -> torch.Tensor:
+        """This stage's MoE layers' global indices, kept on the device: indexing with a host
+        list would copy it up and make the host wait for the GPU every step."""
+        if self._row_index is None:   # one device for the run
+            self._row_index = torch.tensor(list(self.layers), device=device)
+        return self._row_index
 
     def set_loss_scale(self, loss_scale: float) -> None:
         for layer in self.layers.values():
@@ -129,7 +137,7 @@ class MoEBalance:
                 if router.expert_bias is not None:
                     router.expert_bias += self.bias_update_rate * torch.sign(layer_counts.mean() - layer_counts)
                 router.reset_statistics()
-            rows = list(self.layers)
+            rows = self._rows(device)
             per_layer[rows, :-1] = losses * self.micro_batch_weight
             per_layer[rows, -1] = counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-12)
         per_layer = _sum(per_layer, self.mesh.group("pp"))   # every stage's layers, on every rank
