@@ -80,6 +80,8 @@ class TrainConfig:
     num_layers_at_start_in_bf16: int = option(1, "with --first-last-layers-bf16: layers at the start", group=FP8)
     num_layers_at_end_in_bf16: int = option(1, "with --first-last-layers-bf16: layers at the end", group=FP8)
     no_fp8_wgrad: bool = option(False, "compute the weight gradients in bf16, not FP8", group=FP8)
+    fp8_experts: bool = option(False, "the MoE experts' grouped GEMMs in FP8 too, scaled per row: faster for "
+                               "coarse experts, slower for fine-grained ones (docs/moe.md)", group=FP8)
     fp8_param_gather: bool = option(False, "all-gather FP8 weights (distributed optimizer / FSDP2)", group=FP8)
     recompute_granularity: str | None = option(None, "activation recomputation", ("full", "selective"))
     recompute_method: str | None = option(None, "which layers --recompute-granularity full recomputes", ("uniform", "block"))
@@ -123,6 +125,7 @@ class TrainConfig:
 
     def _check_fp8(self) -> None:
         if self.fp8_format is None:
+            require(not self.fp8_experts, "--fp8-experts needs --fp8-format")
             return
         require(self.bf16, "--fp8-format needs --bf16 (the FP8 GEMMs read and return bf16)")
         require(self.fp8_recipe != "mxfp8", "--fp8-recipe mxfp8 needs a Blackwell GPU (MXFP8 tensor cores); "

@@ -55,6 +55,7 @@ class Fp8Recipe:
     amax_history_len: int = 1
     amax_compute_algo: str = "most_recent"   # or "max" over the history
     fp8_wgrad: bool = True            # False: the weight gradient GEMM in high precision
+    experts: bool = False             # the MoE experts' grouped GEMMs too (tessera.kernels.fp8_grouped)
 
     @property
     def grad_dtype(self) -> torch.dtype:

@@ -8,7 +8,8 @@
 The dispatchers live in tessera.parallel.experts (they are the expert parallelism); the
 router and its load-balancing losses in tessera.models.router. The experts of a rank are
 stacked weights [local experts, out, in] (the layout of Hugging Face's fused experts), run
-in two grouped GEMMs (--moe-grouped-gemm, torch._grouped_mm) or a loop over experts.
+in two grouped GEMMs (--moe-grouped-gemm, torch._grouped_mm) or a loop over experts; with
+--fp8-experts, in two FP8 grouped GEMMs (tessera.kernels.fp8_grouped) either way.
 Routing weights scale each row after the activation, before fc2, as Megatron does.
 
 The load-balancing losses enter the gradient through `_AttachAuxLoss`: the layer's output
@@ -25,6 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.config import ModelConfig
+from tessera.kernels.fp8 import Fp8Recipe
+from tessera.kernels.fp8_grouped import fp8_grouped_linear, padded_groups
 from tessera.kernels.swiglu import weighted_swiglu
 from tessera.models.mlp import MLP, activation
 from tessera.models.router import Router
@@ -97,11 +100,14 @@ class GroupedExperts(nn.Module):
                             init_std=config.init_method_std, is_expert=True)
         self.fc2 = annotate(nn.Parameter(torch.empty(local, hidden, ffn // etp_size)), fc2_spec,
                             init_std=output_std, is_expert=True)
+        self.fp8: Fp8Recipe | None = None   # set by --fp8-experts (tessera.training.fp8)
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """Rows x [N, hidden] grouped by expert (`tokens_per_expert` of them each), weighted by probs [N]."""
         dtype = x.dtype
         fc1, fc2 = self.fc1.to(dtype), self.fc2.to(dtype)
+        if self.fp8 is not None:
+            return self._fp8_forward(x, tokens_per_expert, probs, fc1, fc2)
         if self.grouped_gemm and grouped_mm_available(x.device.type, dtype):
             offsets = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
             hidden = torch._grouped_mm(x, fc1.transpose(1, 2), offs=offsets)
@@ -111,6 +117,17 @@ class GroupedExperts(nn.Module):
         outputs = [F.linear(self._weighted_activation(F.linear(rows, fc1[expert]), weights), fc2[expert])
                    for expert, (rows, weights) in enumerate(zip(x.split(sizes), probs.split(sizes)))]
         return torch.cat(outputs)
+
+    def _fp8_forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor,
+                     fc1: torch.Tensor, fc2: torch.Tensor) -> torch.Tensor:
+        """Both GEMMs in FP8 (tessera.kernels.fp8_grouped), on the rows laid out with every
+        expert's group padded to a multiple of 16 rows: zero rows, weight 0, output dropped."""
+        where, ends, total = padded_groups(tokens_per_expert, x.shape[0])
+        padded = x.new_zeros(total, x.shape[1]).index_copy(0, where, x)
+        padded_probs = probs.new_zeros(total).index_copy(0, where, probs)
+        wgrad = self.fp8.fp8_wgrad
+        hidden = self._weighted_activation(fp8_grouped_linear(padded, fc1, ends, wgrad), padded_probs)
+        return fp8_grouped_linear(hidden, fc2, ends, wgrad).index_select(0, where)
 
     def _weighted_activation(self, hidden: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         # In fp32, back to the GEMMs' dtype: SwiGLU by one kernel each way, GeLU as a compiled block fuses it.

@@ -1,8 +1,9 @@
 """FP8 training: which GEMMs run in FP8, the checks that need the device, and delayed scaling's step.
 
 The linear layers of the transformer blocks (QKV, attention output, MLP) get an Fp8Linear
-(tessera.kernels.fp8) in place of F.linear; the embedding, the output layer, the router,
-norms and attention stay in bf16, as in Megatron and DeepSeek-V3. With
+(tessera.kernels.fp8) in place of F.linear, and with --fp8-experts the MoE experts FP8 grouped
+GEMMs scaled per row (tessera.kernels.fp8_grouped, whatever the recipe); the embedding, the
+output layer, the router, norms and attention stay in bf16, as in Megatron and DeepSeek-V3. With
 --first-last-layers-bf16 the first and last few blocks (global layer indices, so a
 pipeline stage knows its own) stay in bf16 too. The blockwise recipe gets a BlockwiseFp8Linear
 (tessera.kernels.fp8_blockwise), whose 128-blocks need every dimension divisible by 128: a
@@ -19,6 +20,7 @@ from torch import nn
 from tessera.config import ConfigError, TrainConfig
 from tessera.kernels.fp8 import Fp8Linear, Fp8Recipe
 from tessera.kernels.fp8_blockwise import BlockwiseFp8Linear
+from tessera.models.moe import GroupedExperts
 from tessera.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 
@@ -27,7 +29,7 @@ def recipe_of(train: TrainConfig) -> Fp8Recipe | None:
         return None
     return Fp8Recipe(format=train.fp8_format, recipe=train.fp8_recipe, margin=train.fp8_margin,
                      amax_history_len=train.fp8_amax_history_len, amax_compute_algo=train.fp8_amax_compute_algo,
-                     fp8_wgrad=not train.no_fp8_wgrad)
+                     fp8_wgrad=not train.no_fp8_wgrad, experts=train.fp8_experts)
 
 
 def check_device(device: torch.device, recipe: Fp8Recipe) -> None:
@@ -61,7 +63,8 @@ def fp8_linear(recipe: Fp8Recipe, device: torch.device | str | None = None) -> n
 
 def apply_fp8(layers, recipe: Fp8Recipe, keep_bf16: set[int], tokens_per_micro_batch: int) -> list[nn.Module]:
     """Give every linear of the blocks not in `keep_bf16` an Fp8Linear (BlockwiseFp8Linear for the
-    blockwise recipe); returns them all.
+    blockwise recipe), and their experts FP8 grouped GEMMs if the recipe says; returns the linears'
+    FP8 modules.
 
     `layers` yields (global index, block). FP8 GEMMs need every dimension divisible by 16; blockwise
     ones by 128 (wgrad's tiles run along the tokens).
@@ -76,7 +79,15 @@ def apply_fp8(layers, recipe: Fp8Recipe, keep_bf16: set[int], tokens_per_micro_b
         if index in keep_bf16:
             continue
         for name, module in block.named_modules():
-            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            if isinstance(module, GroupedExperts) and recipe.experts:
+                for weight_name in ("fc1", "fc2"):
+                    _, rows, columns = getattr(module, weight_name).shape
+                    if rows % 16 or columns % 16:
+                        raise ConfigError(f"--fp8-format: layer {index}'s {name}.{weight_name} has {rows} x {columns} "
+                                          f"expert weights on each rank; FP8 grouped GEMMs need both dimensions "
+                                          f"divisible by 16 (--hidden-size, --moe-ffn-hidden-size)")
+                module.fp8 = recipe
+            elif isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 rows, columns = module.weight.shape
                 if rows % align or columns % align:
                     raise ConfigError(f"{who}: layer {index}'s {name} has a {rows} x {columns} weight on each rank; "

@@ -12,6 +12,7 @@ from tessera.kernels.fp8_blockwise import BlockwiseFp8Linear, cublas_mm, emulate
 from tessera.models.gpt import GPTModel, initialize_parameters
 from tessera.models.presets import preset_values
 from tessera.training import fp8
+from tests.gpu.memorise import memorise
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                                 reason="needs an FP8 GPU")
@@ -128,17 +129,7 @@ def test_blockwise_training_follows_bf16():
         initialize_parameters(model, seed=5)
         if name == "blockwise":
             assert len(fp8.apply_fp8(model.layers.items(), BLOCKWISE, set(), 4 * 128)) == 16
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        curves[name] = []
-        for step in range(20):
-            with torch.autocast("cuda", torch.bfloat16):
-                loss = model(tokens, labels=tokens).float().mean()
-            loss.backward()
-            if step == 0:
-                grads[name] = torch.cat([p.grad.flatten() for p in model.layers.parameters()])
-            optimizer.step()
-            optimizer.zero_grad()
-            curves[name].append(loss.item())
+        curves[name], grads[name] = memorise(model, tokens)
     bf16, blockwise = curves["bf16"], curves["blockwise"]
     assert abs(blockwise[0] - bf16[0]) < 0.005 * bf16[0], curves
     assert (grads["blockwise"] - grads["bf16"]).norm() < 0.15 * grads["bf16"].norm()
