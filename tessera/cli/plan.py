@@ -156,8 +156,10 @@ def _precision(layout: Layout, model: ModelConfig) -> str:
         return "precision: bf16"
     fp8 = sum(layout.fp8_layers(model.num_layers))
     wgrad = ", weight gradients in bf16" if layout.no_fp8_wgrad else ""
+    experts = " (and their experts, scaled per row)" if layout.fp8_experts and model.num_experts else ""
     return (f"precision: FP8 {layout.fp8_format} {layout.fp8_recipe} GEMMs in the linears of {fp8} of "
-            f"{model.num_layers} layers{wgrad}; attention, norms, the rest of the layers and the output layer in bf16")
+            f"{model.num_layers} layers{experts}{wgrad}; attention, norms, the rest of the layers and the output "
+            f"layer in bf16")
 
 
 def _print_breakdown(prediction: Prediction, capacity: float) -> None:

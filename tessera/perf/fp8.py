@@ -3,10 +3,10 @@ passes around them as HBM traffic (tessera.kernels.fp8, tessera.kernels.fp8_bloc
 
 What runs in FP8 is what tessera trains in FP8 (tessera.training.fp8): the tensor-parallel
 linears of the transformer layers (QKV or MLA's up projections, the attention output, the MLP
-or shared expert) but for the layers --first-last-layers-bf16 keeps in bf16. Attention, norms,
-the embedding and output layer, the router and routed experts, MLA's replicated down
-projections and the MTP depths stay bf16. MFU stays on the bf16 peak, as Megatron and torchao
-report FP8 runs.
+or shared expert) and, with --fp8-experts, the routed experts' grouped GEMMs, but for the
+layers --first-last-layers-bf16 keeps in bf16. Attention, norms, the embedding and output
+layer, the router, MLA's replicated down projections and the MTP depths stay bf16. MFU stays
+on the bf16 peak, as Megatron and torchao report FP8 runs.
 
 GEMMs: the FP8 curves of tessera.perf.kernels (measured rates per recipe) at the GPU's FP8 peak,
 operands 1 byte each. Quantisation, per linear with input x (tokens x k), weight W (n x k) and
@@ -22,6 +22,13 @@ copies. So, in bytes per element (bf16 activations, weights of `w` bytes):
                           backward  dy in tiles 5; W^T, dy^T and x^T (the token-direction tiles
                                     of wgrad) each copied transposed in high precision (2w or 4)
                                     and then tiled (2w + 1 or 5)
+
+    experts (any recipe)  forward   x rows: amax + cast 5; W per output column: 2w + 1
+                          backward  dy rows 5; W per input column, copied transposed 2w + 1;
+                                    for wgrad dy and x per column, copied transposed 5 each
+                          and the padding of each expert's rows to 16 (tessera.kernels.fp8_grouped):
+                          the rows scattered into a zeroed buffer and gathered back, 10 bytes an
+                          element of the input and output forward, 8 backward
 
 Without FP8 wgrad (--no-fp8-wgrad) that GEMM runs at the bf16 rate and its casts are skipped.
 Delayed scaling still reads each tensor for its amax (it records it for the next step), so it
@@ -63,17 +70,33 @@ def quantisation_bytes(layout: Layout, x: float, weight: float, grad: float) -> 
     return forward, backward
 
 
-def fp8_gemm(steps: "StepModel", layout: Layout, m: float, n: float, k: float, fwd: "Phase", bwd: "Phase"
-             ) -> tuple[float, float, float]:
-    """(forward, input-gradient, weight-gradient) seconds of an FP8 linear with forward shape m x n x k;
-    adds its quantisation passes to `fwd` and `bwd`."""
-    forward_curves, backward_curves = fp8_curves(steps.curves, layout.fp8_recipe)
+def grouped_quantisation_bytes(layout: Layout, x: float, weight: float, grad: float, out: float
+                               ) -> tuple[float, float]:
+    """HBM bytes (forward, backward) of one FP8 grouped GEMM's casts and row padding, for `x`,
+    `weight`, `grad` elements of its input, weights and output gradient, `out` of its output."""
+    w = residual_bytes(layout)
+    forward = 5 * x + (2 * w + 1) * weight + 10 * (x + out)
+    backward = 5 * grad + (2 * w + 1) * weight + (not layout.no_fp8_wgrad) * 5 * (grad + x) + 8 * (x + out)
+    return forward, backward
+
+
+def fp8_gemm(steps: "StepModel", layout: Layout, m: float, n: float, k: float, fwd: "Phase", bwd: "Phase",
+             groups: int = 1) -> tuple[float, float, float]:
+    """(forward, input-gradient, weight-gradient) seconds of an FP8 linear with forward shape m x n x k
+    (the experts' grouped GEMM of `groups` such shapes, scaled per row); adds its quantisation
+    passes to `fwd` and `bwd`."""
+    recipe = layout.fp8_recipe if groups == 1 else "tensorwise"   # per-row scales run at tensorwise's rate
+    forward_curves, backward_curves = fp8_curves(steps.curves, recipe)
     peak = fp8_peak(steps)
-    forward = steps.gemm(m, n, k, peak=peak, bytes_per_element=1, curves=forward_curves)[0]
-    _, dgrad, wgrad = steps.gemm(m, n, k, peak=peak, bytes_per_element=1, curves=backward_curves)
+    forward = steps.gemm(m, n, k, groups, peak=peak, bytes_per_element=1, curves=forward_curves)[0]
+    _, dgrad, wgrad = steps.gemm(m, n, k, groups, peak=peak, bytes_per_element=1, curves=backward_curves)
     if layout.no_fp8_wgrad:
-        wgrad = steps.gemm(m, n, k)[2]
-    cast_fwd, cast_bwd = quantisation_bytes(layout, m * k, n * k, m * n)
+        wgrad = steps.gemm(m, n, k, groups)[2]
+    if groups == 1:
+        cast_fwd, cast_bwd = quantisation_bytes(layout, m * k, n * k, m * n)
+    else:
+        cast_fwd, cast_bwd = grouped_quantisation_bytes(layout, groups * m * k, groups * n * k, groups * m * n,
+                                                        groups * m * n)
     fwd.add("fp8_cast", cast_fwd / steps.hbm)
     bwd.add("fp8_cast", cast_bwd / steps.hbm)
     return forward, dgrad, wgrad

@@ -20,7 +20,7 @@ DISPATCHERS = ("allgather", "alltoall")
 # `tessera train`'s FP8 and precision-aware optimizer settings (tessera.config.training), which
 # Layout carries under the same names.
 FP8_FIELDS = ("fp8_format", "fp8_recipe", "first_last_layers_bf16", "num_layers_at_start_in_bf16",
-              "num_layers_at_end_in_bf16", "no_fp8_wgrad")
+              "num_layers_at_end_in_bf16", "no_fp8_wgrad", "fp8_experts")
 MOMENT_FIELDS = ("exp_avg_dtype", "exp_avg_sq_dtype")
 
 
@@ -58,6 +58,7 @@ class Layout:
     num_layers_at_start_in_bf16: int = TrainConfig.num_layers_at_start_in_bf16   # --num-layers-at-start-in-bf16
     num_layers_at_end_in_bf16: int = TrainConfig.num_layers_at_end_in_bf16       # --num-layers-at-end-in-bf16
     no_fp8_wgrad: bool = False                                           # --no-fp8-wgrad
+    fp8_experts: bool = False                                            # --fp8-experts
 
     @property
     def moment_bytes(self) -> float:
@@ -194,6 +195,8 @@ class Layout:
                       "--num-layers-at-end-in-bf16", str(self.num_layers_at_end_in_bf16)]
         if self.fp8_format and self.no_fp8_wgrad:
             flags.append("--no-fp8-wgrad")
+        if self.fp8_format and self.fp8_experts:
+            flags.append("--fp8-experts")
         return flags
 
 

@@ -11,7 +11,8 @@ the busiest GPU the slowest, is not modelled):
   its ETP group), so ETP x T x k x EP / E per local expert;
 - experts: one grouped GEMM for fc1 and one for fc2 (--moe-grouped-gemm; else one GEMM
   per expert), every group that many rows, on the GEMM curve (tessera.perf.kernels) at
-  moe_ffn / ETP width, in the three pass shapes;
+  moe_ffn / ETP width, in the three pass shapes; with --fp8-experts, in FP8 layers, grouped
+  FP8 GEMMs with their casts and row padding (tessera.perf.fp8);
 - router: the T x h x E GEMM (in fp32 at the fp32 peak with --moe-router-dtype fp32) and
   its softmax, top-k and load-balancing loss over T x E scores (HBM bytes, an estimate);
 - permutation: each sort of the rows reads and writes them, the combine sums k rows
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from tessera.perf.fp8 import fp8_gemm
 from tessera.perf.layout import Layout
 
 if TYPE_CHECKING:
@@ -50,17 +52,24 @@ PAIR_BYTES = 20
 HOST_SYNC_S = 30e-6
 
 
-def add_routed_experts(steps: "StepModel", layout: Layout, tokens: float, fwd: "Phase", bwd: "Phase") -> None:
-    """Add the router, experts, permutations and dispatch of one MoE layer for this GPU's `tokens`."""
+def add_routed_experts(steps: "StepModel", layout: Layout, tokens: float, fwd: "Phase", bwd: "Phase",
+                       fp8: bool = False) -> None:
+    """Add the router, experts, permutations and dispatch of one MoE layer for this GPU's `tokens`
+    (the experts' GEMMs in FP8 if `fp8`)."""
     model, etp = steps.model, layout.expert_tp
     h, f, k, experts = model.hidden_size, model.moe_ffn_hidden_size, model.moe_router_topk, model.num_experts
     local = experts // layout.ep
     rows = etp * tokens * k
     per_expert = max(1.0, rows / local)
     gated = 2 if model.swiglu else 1
-    groups = local if model.moe_grouped_gemm else 1   # one grouped GEMM, or a loop over the experts
-    fc1 = steps.gemm(per_expert, gated * f / etp, h, groups=groups)
-    fc2 = steps.gemm(per_expert, h, f / etp, groups=groups)
+    if fp8:   # FP8 experts are one grouped GEMM each, --moe-grouped-gemm or not (tessera.models.moe)
+        groups = local
+        fc1 = fp8_gemm(steps, layout, per_expert, gated * f / etp, h, fwd, bwd, groups=groups)
+        fc2 = fp8_gemm(steps, layout, per_expert, h, f / etp, fwd, bwd, groups=groups)
+    else:
+        groups = local if model.moe_grouped_gemm else 1   # one grouped GEMM, or a loop over the experts
+        fc1 = steps.gemm(per_expert, gated * f / etp, h, groups=groups)
+        fc2 = steps.gemm(per_expert, h, f / etp, groups=groups)
     fwd.add("expert_gemm", local / groups * (fc1[0] + fc2[0]))
     bwd.add("expert_gemm", local / groups * sum(fc1[1:] + fc2[1:]))
 
@@ -81,7 +90,7 @@ def add_routed_experts(steps: "StepModel", layout: Layout, tokens: float, fwd: "
         forward, backward = dispatch_seconds(steps, layout, tokens)
         fwd.add("ep_comm", forward)
         bwd.add("ep_comm", backward)
-    syncs = layout.dispatches + (not model.moe_grouped_gemm)
+    syncs = layout.dispatches + (not (model.moe_grouped_gemm or fp8))
     if layout.framework == "tessera" and syncs:
         fwd.add("host_sync", syncs * HOST_SYNC_S)
 

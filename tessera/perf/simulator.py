@@ -190,7 +190,7 @@ class StepModel:
         if layout.cp > 1:
             self._context_parallel_comm(layout, tokens, q, kv, fwd, bwd)
         if moe:
-            add_routed_experts(self, layout, tokens / sp, fwd, bwd)
+            add_routed_experts(self, layout, tokens / sp, fwd, bwd, fp8=fp8 and layout.fp8_experts)
         return fwd, bwd
 
     def _tensor_parallel_comm(self, layout, collective_bytes, blocks, fwd: Phase, bwd: Phase) -> None:

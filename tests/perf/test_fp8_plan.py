@@ -60,6 +60,26 @@ def test_the_quantisation_passes_by_hand():
     assert "fp8_cast" not in steps.layer(fp8("tensorwise"), fp8=False)[0].times
 
 
+def test_the_experts_grouped_fp8_casts_and_padding_by_hand():
+    # A MoE layer (4 experts of 512, top-2, GeLU, no shared expert): the attention linears' casts as
+    # above, and each expert GEMM's per-row casts and row padding as tessera.perf.fp8 lists them.
+    f, rows = 512, 2 * S
+    model = gpt(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=f, moe_grouped_gemm=True, disable_bias_linear=True)
+    steps = StepModel(model, ideal(HBM), IDEAL_CURVES, S)
+    fwd, bwd = steps.layer(fp8("tensorwise", fp8_experts=True), moe=True, fp8=True)
+    x, weights, grads = 2 * S * H, 4 * H * H, 4 * S * H   # QKV and the attention output
+    experts = [(rows * H, 4 * f * H, rows * f), (rows * f, 4 * H * f, rows * H)]   # fc1, fc2: x, W, dy (= output)
+    assert fwd.times["fp8_cast"] == pytest.approx(
+        (5 * x + 5 * weights + sum(5 * e + 5 * w + 10 * (e + g) for e, w, g in experts)) / HBM)
+    assert bwd.times["fp8_cast"] == pytest.approx(
+        ((5 + 2) * grads + 5 * weights + 5 * x + sum(5 * g + 5 * w + 5 * (g + e) + 8 * (e + g) for e, w, g in experts))
+        / HBM)
+    bf16_fwd, bf16_bwd = steps.layer(fp8("tensorwise"), moe=True, fp8=True)   # without --fp8-experts
+    assert fwd.times["expert_gemm"] < bf16_fwd.times["expert_gemm"] / 1.5   # at the FP8 rate
+    assert bwd.times["expert_gemm"] < bf16_bwd.times["expert_gemm"] / 1.5
+    assert bf16_fwd.times["fp8_cast"] == pytest.approx((5 * x + 5 * weights) / HBM)
+
+
 def test_bf16_layers_at_the_start_and_end_run_at_the_bf16_rate():
     # 4 layers, the first and the last in bf16: two layers' linears at the bf16 peak, two at the FP8
     # peak with the measured rates' share of it (forward with fast accumulation), the logits in bf16.
