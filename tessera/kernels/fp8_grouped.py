@@ -11,12 +11,13 @@ its two backward GEMMs run with E4M3 operands:
 Scales are current (each tensor's amax now) whatever --fp8-recipe says, and gradients are E4M3
 too: on Hopper torch's grouped FP8 GEMM takes one scale per row or column (CUTLASS), not one per
 tensor or 128-block, and a row's own scale keeps each token's values in range whatever the
-other tokens do (torchao's MoE recipe does the same). Every GEMM accumulates with cuBLAS-style
-fast accumulation, as torchao's grouped recipe does. The backward keeps the bf16 x and W, as
+other tokens do (torchao's MoE recipe does the same). Every GEMM runs with fast accumulation
+(`use_fast_accum`), as torchao's grouped recipe does. The backward keeps the bf16 x and W, as
 tessera.kernels.fp8's linears do, and casts again.
 
-The weight gradient contracts over each group's rows, so every group must hold a multiple of
-16 rows: `padded_groups` gives the layout that GroupedExperts runs the experts in. Elsewhere
+The weight gradient contracts over each group's rows, and FP8 GEMMs contract in 16-byte steps,
+so every group gets a multiple of 16 rows (the alignment torchtitan gives FP8 groups):
+`padded_groups` is the layout GroupedExperts runs the experts in. Elsewhere
 than CUDA the same quantised operands are dequantised and multiplied in fp32 group by group
 (what the CPU tests check the plumbing against).
 """

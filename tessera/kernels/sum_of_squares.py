@@ -26,12 +26,17 @@ def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
     """sum over the tensors of sum(t^2), in fp32, as a 0-d tensor on their device."""
     device = tensors[0].device
     if triton is None or device.type != "cuda":
-        norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)
-        return torch.stack(norms).square().sum()
+        return _by_foreach_norm(tensors)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for tensor in tensors:
         by_dtype.setdefault(tensor.dtype, []).append(tensor.contiguous())
-    return sum(_one_launch(group, device) for group in by_dtype.values())
+    return sum(_one_launch(group, device) if dtype in _TRITON_DTYPES else _by_foreach_norm(group)
+               for dtype, group in by_dtype.items())
+
+
+def _by_foreach_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)
+    return torch.stack(norms).square().sum()
 
 
 _programs: dict[tuple[int, ...], torch.Tensor] = {}   # by the tensors' sizes, which repeat every step
