@@ -5,7 +5,6 @@ thread on a free port; everything else is the command's own path.
 """
 
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import pytest
 
 from tessera.cli import run
 from tests.inference.tiny_text_model import hf_dir, running_server, tokenizer  # noqa: F401 -- fixtures
+from tests.ports import free_port
 
 
 def test_serve_answers_chat_under_its_name_with_its_bounds(hf_dir, tokenizer, monkeypatch):
@@ -82,9 +82,7 @@ def test_graphs_captured_while_serving_are_reported_at_exit(capsys):
 def test_the_exit_report_runs_when_a_signal_stops_the_server(hf_dir):
     """uvicorn raises SIGTERM again once it has drained, so nothing after uvicorn.run runs: the
     report is the app's shutdown hook. A real `tessera serve` process, stopped as a user stops it."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     script = ("import sys\nimport tessera.cli.serve as serve\n"
               "serve._report_captures = lambda *_: print('REPORTED', file=sys.stderr, flush=True)\n"
               f"serve.main(['--hf', {str(hf_dir)!r}, '--port', '{port}', '--log-level', 'warning'])\n")

@@ -13,21 +13,16 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.ports import free_port
+
 _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "tessera.training.trainer", "tests.dist.equivalence"])
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world_size: int, port: int, fn, args, queue) -> None:
@@ -49,7 +44,7 @@ def _worker(rank: int, world_size: int, port: int, fn, args, queue) -> None:
 def run_distributed(fn, world_size: int, *args, timeout: float = 240.0) -> list:
     context = _CONTEXT
     queue = context.Queue()
-    port = _free_port()
+    port = free_port()
     processes = [context.Process(target=_worker, args=(rank, world_size, port, fn, args, queue))
                  for rank in range(world_size)]
     for process in processes:

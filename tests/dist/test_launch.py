@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -22,15 +23,10 @@ from tessera.config import ParallelConfig
 from tessera.data.indexed import IndexedDatasetWriter
 from tessera.parallel.mesh import Mesh
 from tests.dist.launcher import run_distributed
+from tests.ports import free_port
 
 TINY = ["--model", "tiny-llama", "--mock-data", "--lr", "3e-3", "--micro-batch-size", "2", "--log-interval", "1",
         "--num-workers", "0", "--hidden-dropout", "0", "--attention-dropout", "0"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(rank: int, world_size: int, port: int, flags: list[str], *, environ: dict | None = None,
@@ -41,20 +37,44 @@ def start(rank: int, world_size: int, port: int, flags: list[str], *, environ: d
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                                "MASTER_PORT") and not k.startswith("SLURM_")}
-    return subprocess.Popen(command or [sys.executable, "-m", "tessera", "train", *flags],
-                            env={**clean, **variables, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(command or [sys.executable, "-m", "tessera", "train", *flags],
+                               env={**clean, **variables, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    _started.append(process)
+    return process
+
+
+_started: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _stop_leftover_ranks():
+    """A test that fails with ranks still running stops them: left alone they hold the CPU
+    (and their ports) through the rest of the suite."""
+    yield
+    while _started:
+        process = _started.pop()
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
 
 
 def finish(process: subprocess.Popen) -> tuple[int, str]:
-    _, err = process.communicate(timeout=180)
+    """The rank's exit code and last line of stderr; a rank still running after 180 s fails
+    the test with its stderr."""
+    try:
+        _, err = process.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        _, err = process.communicate()
+        raise AssertionError(f"rank still running after 180 s; its stderr:\n{err[-3000:]}") from None
     return process.returncode, err.strip().splitlines()[-1] if err.strip() else ""
 
 
 def test_slurm_launch_without_torchrun_matches_one_process(tmp_path):
     flags = [*TINY, "--train-iters", "3", "--global-batch-size", "4"]
     single = start(0, 1, 0, [*flags, "--log-json", str(tmp_path / "one.jsonl")], environ={})
-    job = {"SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": str(_free_port())}
+    job = {"SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": str(free_port())}
     ranks = [start(r, 2, 0, [*flags, "--log-json", str(tmp_path / "two.jsonl"), "--log-straggler"],
                    environ={**job, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)}) for r in (0, 1)]
     assert [finish(p)[0] for p in (single, ranks[0])] == [0, 0]
@@ -69,7 +89,7 @@ def test_slurm_launch_without_torchrun_matches_one_process(tmp_path):
 
 def test_a_rank_that_never_joins_is_named_within_the_timeout():
     began = time.monotonic()
-    code, line = finish(start(0, 3, _free_port(), [*TINY, "--train-iters", "1", "--distributed-timeout-minutes",
+    code, line = finish(start(0, 3, free_port(), [*TINY, "--train-iters", "1", "--distributed-timeout-minutes",
                                                    "0.05"]))
     assert code == 2 and time.monotonic() - began < 120
     assert line == ("tessera train: error: rank(s) 1, 2 of 3 did not join within 0.05 min "
@@ -77,7 +97,7 @@ def test_a_rank_that_never_joins_is_named_within_the_timeout():
 
 
 def test_an_unreachable_endpoint_is_named():
-    port = _free_port()
+    port = free_port()
     code, line = finish(start(1, 2, port, [*TINY, "--train-iters", "1", "--distributed-timeout-minutes", "0.02"]))
     assert code == 2
     assert line.startswith(f"tessera train: error: rank 1 cannot reach the rendezvous endpoint 127.0.0.1:{port} "
@@ -85,7 +105,7 @@ def test_an_unreachable_endpoint_is_named():
 
 
 def test_ranks_with_other_flags_or_world_sizes_are_refused_on_every_rank():
-    port = _free_port()
+    port = free_port()
     flags = [*TINY, "--train-iters", "1", "--distributed-timeout-minutes", "1"]
     ranks = [start(0, 2, port, flags), start(1, 2, port, [*flags, "--lr", "1e-3"])]
     results = [finish(p) for p in ranks]
@@ -93,7 +113,7 @@ def test_ranks_with_other_flags_or_world_sizes_are_refused_on_every_rank():
     expected = "rank 1 (host {0}) was started with other flags than rank 0 (host {0}): --lr: 0.001 here, 0.003 on rank 0"
     assert {line for _, line in results} == {"tessera train: error: " + expected.format(socket.gethostname())}
 
-    port = _free_port()
+    port = free_port()
     ranks = [start(0, 2, port, flags), start(1, 3, port, flags)]
     results = [finish(p) for p in ranks]
     assert [code for code, _ in results] == [2, 2]
@@ -103,7 +123,7 @@ def test_ranks_with_other_flags_or_world_sizes_are_refused_on_every_rank():
 
 def test_a_hung_rank_becomes_an_error_naming_rank_and_iteration(tmp_path):
     """Rank 1 is stopped (SIGSTOP) mid-training; rank 0's next collective fails within the timeout."""
-    port, log = _free_port(), tmp_path / "rank1.jsonl"
+    port, log = free_port(), tmp_path / "rank1.jsonl"
     flags = [*TINY, "--train-iters", "100000", "--distributed-timeout-minutes", "0.05"]
     ranks = [start(0, 2, port, flags), start(1, 2, port, [*flags, "--log-json", str(log)])]
     try:
@@ -182,7 +202,7 @@ def assert_complete_cache(cache: Path) -> None:
 
 def test_the_index_cache_is_built_once_per_job_and_survives_a_concurrent_job(tmp_path):
     flags = [*corpus_and_flags(tmp_path), "--data-cache-path", str(tmp_path / "cache")]
-    jobs = {"a": (4, _free_port()), "b": (2, _free_port())}   # b shares the cache directory, at the same time
+    jobs = {"a": (4, free_port()), "b": (2, free_port())}   # b shares the cache directory, at the same time
     ranks = [start(r, size, port, [], command=builder(tmp_path, job, flags))
              for job, (size, port) in jobs.items() for r in range(size)]
     assert [finish(p)[0] for p in ranks] == [0] * 6, [p.stderr for p in ranks]
@@ -196,7 +216,7 @@ def test_the_index_cache_is_built_once_per_job_and_survives_a_concurrent_job(tmp
 
 def test_a_node_local_cache_is_built_once_per_node(tmp_path):
     """Two "nodes" of two ranks, each with its own --data-cache-path (node-local disk)."""
-    flags, port = corpus_and_flags(tmp_path), _free_port()
+    flags, port = corpus_and_flags(tmp_path), free_port()
     ranks = [start(r, 4, port, [], local_rank=r % 2,
                    command=builder(tmp_path, "a", [*flags, "--data-cache-path", str(tmp_path / f"node{r // 2}")]))
              for r in range(4)]

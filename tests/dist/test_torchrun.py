@@ -1,11 +1,12 @@
 """The command line as users launch it: torchrun with gloo on CPU, one node or two, against one process."""
 
 import json
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from tests.ports import free_port
 
 FLAGS = ["--model", "tiny-llama", "--mock-data", "--lr", "3e-3", "--train-iters", "4", "--micro-batch-size", "2",
          "--global-batch-size", "8", "--log-interval", "1", "--num-workers", "0", "--hidden-dropout", "0",
@@ -47,9 +48,7 @@ def test_torchrun_four_processes_matches_one(tmp_path, single_process_losses):
 def test_two_torchrun_nodes_with_c10d_rendezvous_match_one_process(tmp_path, single_process_losses):
     """Two "nodes" of two processes on localhost, joined by torchrun's c10d rendezvous, as a
     multi-node job is launched (one torchrun per node, the same endpoint): TP=2 x DP=2."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    endpoint = f"127.0.0.1:{free_port()}"
     nodes = [subprocess.Popen(
         command([*TORCHRUN, "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                  "--rdzv-endpoint", endpoint, "--rdzv-id", "tessera-test"], tmp_path / f"node{n}.jsonl",

@@ -9,7 +9,6 @@ a scheduler or Ctrl-C sends it) must end every rank cleanly.
 import concurrent.futures
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,16 +20,11 @@ from tessera.inference.lockstep import ABORT, ADD, TensorParallel
 from tessera.inference.sampling import SamplingParams
 from tests.dist.launcher import run_distributed
 from tests.inference.tiny_text_model import hf_dir, tiny_engine, tokenizer  # noqa: F401 -- fixtures
+from tests.ports import free_port
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 PROMPTS = ["The quick brown", "héllo wörld", "def main():", "tessera trains"]
 NEW_TOKENS = 10
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _wait_until_up(base: str, server: subprocess.Popen) -> None:
@@ -69,7 +63,7 @@ def test_torchrun_tp2_serve_answers_as_one_process_and_stops_on_sigterm(hf_dir, 
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     expected = [c.token_ids for c in reference.generate([tokenizer.encode(p) for p in PROMPTS], params)]
 
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([*TORCHRUN, "-m", "tessera", "serve", "--hf", str(hf_dir), "--port", str(port),
                                "--tensor-model-parallel-size", "2", "--inference-max-requests", "8"],

@@ -10,6 +10,7 @@ from tessera.config import ModelConfig, RunConfig, TrainConfig
 from tessera.models.presets import preset_values
 from tessera.parallel.launch import LaunchError, config_fingerprint, first_host, resolve_environment
 from tessera.training.stragglers import straggler_line
+from tests.ports import free_port
 
 
 def test_torchrun_variables_win_over_slurm():
@@ -43,7 +44,7 @@ def test_slurm_gives_the_ranks_torchrun_gives(tmp_path):
     --node-rank) against the one derived from SLURM's variables for the same layout."""
     script = tmp_path / "show.py"
     script.write_text(SHOW_VARIABLES)
-    port = _free_port()
+    port = free_port()
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),
                                "--nproc-per-node", "2", "--rdzv-backend", "static", "--master-addr", "127.0.0.1",
                                "--master-port", str(port), str(script), str(tmp_path)],
@@ -99,11 +100,3 @@ def test_straggler_line_names_slowest_and_fastest():
     line = straggler_line([0.010, 0.030, 0.020, 0.005], ["a", "a", "b", "b"], count=2)
     assert line == (" straggler: forward-backward ms/iteration, slowest rank 1 (a) 30.0, rank 2 (b) 20.0 | "
                     "fastest rank 3 (b) 5.0, rank 0 (a) 10.0 | max/min 6.00")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
