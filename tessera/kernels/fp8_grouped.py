@@ -100,9 +100,7 @@ def _scaled_grouped_mm(a8: torch.Tensor, b8: torch.Tensor, a_scale: torch.Tensor
     experts = ends.numel()
     a = a8.float() * a_scale.view(experts, -1)[:, :, None]   # [E, m, rows]
     b = b8.float() * b_scale.view(experts, 1, -1)            # [E, rows, n]
-    starts = [0] + ends.tolist()[:-1]
-    return torch.stack([a[e, :, s:t] @ b[e, s:t] for e, (s, t) in enumerate(zip(starts, ends.tolist()))]
-                       ).to(out_dtype)
+    return torch.stack([a[e, :, s:t] @ b[e, s:t] for e, (s, t) in enumerate(_groups(ends))]).to(out_dtype)
 
 
 def _grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
@@ -110,8 +108,12 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.T
     rows; torch._grouped_mm on CUDA, a loop over the groups elsewhere."""
     if a.is_cuda:
         return torch._grouped_mm(a, b, offs=ends)
-    starts = [0] + ends.tolist()[:-1]
-    groups = list(zip(starts, ends.tolist()))
     if b.ndim == 3:
-        return torch.cat([a[s:t] @ b[e] for e, (s, t) in enumerate(groups)])
-    return torch.stack([a[:, s:t] @ b[s:t] for s, t in groups])
+        return torch.cat([a[s:t] @ b[e] for e, (s, t) in enumerate(_groups(ends))])
+    return torch.stack([a[:, s:t] @ b[s:t] for s, t in _groups(ends)])
+
+
+def _groups(ends: torch.Tensor) -> list[tuple[int, int]]:
+    """Each group's (start, end) row, from the groups' ends (a host read: the CPU path only)."""
+    ends = ends.tolist()
+    return list(zip([0] + ends[:-1], ends))

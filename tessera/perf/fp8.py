@@ -80,23 +80,31 @@ def grouped_quantisation_bytes(layout: Layout, x: float, weight: float, grad: fl
     return forward, backward
 
 
-def fp8_gemm(steps: "StepModel", layout: Layout, m: float, n: float, k: float, fwd: "Phase", bwd: "Phase",
-             groups: int = 1) -> tuple[float, float, float]:
-    """(forward, input-gradient, weight-gradient) seconds of an FP8 linear with forward shape m x n x k
-    (the experts' grouped GEMM of `groups` such shapes, scaled per row); adds its quantisation
-    passes to `fwd` and `bwd`."""
-    recipe = layout.fp8_recipe if groups == 1 else "tensorwise"   # per-row scales run at tensorwise's rate
+def fp8_gemm(steps: "StepModel", layout: Layout, m: float, n: float, k: float, fwd: "Phase", bwd: "Phase"
+             ) -> tuple[float, float, float]:
+    """(forward, input-gradient, weight-gradient) seconds of an FP8 linear with forward shape m x n x k;
+    adds its quantisation passes to `fwd` and `bwd`."""
+    casts = quantisation_bytes(layout, m * k, n * k, m * n)
+    return _timed_with_casts(steps, layout, (m, n, k), 1, layout.fp8_recipe, casts, fwd, bwd)
+
+
+def fp8_expert_gemm(steps: "StepModel", layout: Layout, m: float, n: float, k: float, groups: int,
+                    fwd: "Phase", bwd: "Phase") -> tuple[float, float, float]:
+    """The same for the experts' grouped GEMM of `groups` m x n x k shapes, scaled per row (at
+    tensorwise's rate), with its casts and row padding."""
+    casts = grouped_quantisation_bytes(layout, groups * m * k, groups * n * k, groups * m * n, groups * m * n)
+    return _timed_with_casts(steps, layout, (m, n, k), groups, "tensorwise", casts, fwd, bwd)
+
+
+def _timed_with_casts(steps: "StepModel", layout: Layout, shape: tuple[float, float, float], groups: int,
+                      recipe: str, casts: tuple[float, float], fwd: "Phase", bwd: "Phase"
+                      ) -> tuple[float, float, float]:
     forward_curves, backward_curves = fp8_curves(steps.curves, recipe)
     peak = fp8_peak(steps)
-    forward = steps.gemm(m, n, k, groups, peak=peak, bytes_per_element=1, curves=forward_curves)[0]
-    _, dgrad, wgrad = steps.gemm(m, n, k, groups, peak=peak, bytes_per_element=1, curves=backward_curves)
+    forward = steps.gemm(*shape, groups, peak=peak, bytes_per_element=1, curves=forward_curves)[0]
+    _, dgrad, wgrad = steps.gemm(*shape, groups, peak=peak, bytes_per_element=1, curves=backward_curves)
     if layout.no_fp8_wgrad:
-        wgrad = steps.gemm(m, n, k, groups)[2]
-    if groups == 1:
-        cast_fwd, cast_bwd = quantisation_bytes(layout, m * k, n * k, m * n)
-    else:
-        cast_fwd, cast_bwd = grouped_quantisation_bytes(layout, groups * m * k, groups * n * k, groups * m * n,
-                                                        groups * m * n)
-    fwd.add("fp8_cast", cast_fwd / steps.hbm)
-    bwd.add("fp8_cast", cast_bwd / steps.hbm)
+        wgrad = steps.gemm(*shape, groups)[2]
+    fwd.add("fp8_cast", casts[0] / steps.hbm)
+    bwd.add("fp8_cast", casts[1] / steps.hbm)
     return forward, dgrad, wgrad

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tessera.perf.fp8 import fp8_gemm
+from tessera.perf.fp8 import fp8_expert_gemm
 from tessera.perf.layout import Layout
 
 if TYPE_CHECKING:
@@ -64,8 +64,8 @@ def add_routed_experts(steps: "StepModel", layout: Layout, tokens: float, fwd: "
     gated = 2 if model.swiglu else 1
     if fp8:   # FP8 experts are one grouped GEMM each, --moe-grouped-gemm or not (tessera.models.moe)
         groups = local
-        fc1 = fp8_gemm(steps, layout, per_expert, gated * f / etp, h, fwd, bwd, groups=groups)
-        fc2 = fp8_gemm(steps, layout, per_expert, h, f / etp, fwd, bwd, groups=groups)
+        fc1 = fp8_expert_gemm(steps, layout, per_expert, gated * f / etp, h, groups, fwd, bwd)
+        fc2 = fp8_expert_gemm(steps, layout, per_expert, h, f / etp, groups, fwd, bwd)
     else:
         groups = local if model.moe_grouped_gemm else 1   # one grouped GEMM, or a loop over the experts
         fc1 = steps.gemm(per_expert, gated * f / etp, h, groups=groups)
