@@ -95,7 +95,9 @@ class LocalDispatcher:
         return self._unpermute(y, dispatched)
 
     def _permute(self, x, token_index, local_expert, probs, *, per_token) -> ExpertInput:
-        order = torch.argsort(local_expert, stable=True)
+        # Radix sort makes a pass per key byte: one byte holds up to 256 experts (int64 keys took 8 passes).
+        keys = local_expert.to(torch.uint8 if self.num_experts <= 256 else torch.int32)
+        order = torch.argsort(keys, stable=True)
         rows = token_index[order]
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
         counts.scatter_add_(0, local_expert, torch.ones_like(local_expert))
