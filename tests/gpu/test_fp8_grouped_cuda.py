@@ -33,8 +33,9 @@ def test_scaled_grouped_gemms_equal_the_cpu_emulation(fp8_wgrad):
     grad = torch.randn(256, 64, device="cuda", generator=generator).bfloat16()
     results = []
     for device in ("cuda", "cpu"):   # the CPU runs the same FP8 operands through fp32 products
-        xi = x.to(device, torch.float32 if device == "cpu" else x.dtype).requires_grad_()
-        wi = weight.to(device, xi.dtype).requires_grad_()
+        # detach(): fresh leaves, so that the CUDA pass's requires_grad does not reach the CPU copies
+        xi = x.to(device, torch.float32 if device == "cpu" else x.dtype).detach().requires_grad_()
+        wi = weight.to(device, xi.dtype).detach().requires_grad_()
         y = fp8_grouped_linear(xi, wi, ends.to(device), fp8_wgrad)
         y.backward(grad.to(device, xi.dtype))
         results.append((y, xi.grad, wi.grad))
