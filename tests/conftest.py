@@ -1,5 +1,7 @@
-"""Shared helpers for the tests: tiny run configurations built from command-line flags."""
+"""Shared helpers for the tests: tiny run configurations built from command-line flags, and the
+layers' fused CUDA paths taken on the CPU."""
 
+import contextlib
 import os
 
 import pytest
@@ -22,3 +24,17 @@ def run_config(*flags: str, base: list[str] = TINY):
 @pytest.fixture
 def tiny_flags():
     return list(TINY)
+
+
+@contextlib.contextmanager
+def fused_as_on_gpus():
+    """The layers take their fused CUDA paths (the MLP's SwiGLU fused into fc2) through those paths'
+    torch code: what the planner models and what GPUs run, checked on the CPU."""
+    import tessera.parallel.tensor as tensor
+
+    on_triton = tensor.on_triton
+    tensor.on_triton = lambda t: True
+    try:
+        yield
+    finally:
+        tensor.on_triton = on_triton

@@ -1,4 +1,5 @@
-"""The feed-forward block: GeLU, or SwiGLU with gate and up projections fused in one GEMM.
+"""The feed-forward block: GeLU, or SwiGLU with gate and up projections fused in one GEMM
+(and the activation applied by fc2, tessera.parallel.tensor.RowParallelLinear).
 
 Column-parallel fc1 and row-parallel fc2: the inner features are split over tensor-parallel ranks.
 """
@@ -34,12 +35,11 @@ class MLP(nn.Module):
                                      tp_group=tp_group, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(activation(self.fc1(x), swiglu=self.swiglu, openai_gelu=self.openai_gelu))
+        if self.swiglu:   # fc2 applies SiLU(gate) * up, in its GEMM's kernels where it can
+            return self.fc2(self.fc1(x), swiglu_input=True)
+        return self.fc2(gelu(self.fc1(x), openai_gelu=self.openai_gelu))
 
 
-def activation(hidden: torch.Tensor, *, swiglu: bool, openai_gelu: bool) -> torch.Tensor:
-    """SiLU(gate) * up of a fused [gate; up] fc1 output, or GeLU (tanh-approximated with --openai-gelu)."""
-    if swiglu:
-        gate, up = hidden.chunk(2, dim=-1)
-        return F.silu(gate) * up
+def gelu(hidden: torch.Tensor, *, openai_gelu: bool) -> torch.Tensor:
+    """GeLU, tanh-approximated with --openai-gelu."""
     return F.gelu(hidden, approximate="tanh" if openai_gelu else "none")

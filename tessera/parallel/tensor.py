@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.kernels.gemv import linear
+from tessera.kernels.swiglu import on_triton, swiglu, swiglu_linear
 from tessera.parallel.collectives import all_gather_flat, reduce_scatter_flat
 from tessera.parallel.sharding import ShardSpec, annotate, rank_and_size, sum_replica_grads
 from tessera.parallel.tp_overlap import SEQUENCE_DIM, all_gather_matmul, matmul_reduce_scatter
@@ -206,18 +207,33 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
         self.fp8 = None   # as ColumnParallelLinear's
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, swiglu_input: bool = False) -> torch.Tensor:
+        """With `swiglu_input` x is fc1's [gate | up] and SiLU(gate) * up enters the GEMM: fused
+        with it when training on CUDA (tessera.kernels.swiglu.swiglu_linear)."""
+        if swiglu_input:
+            if self._fuses_swiglu(x):
+                return self._reduce(swiglu_linear(x, self.weight))
+            x = swiglu(x)
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp_group)
         if self.comm_overlap:
             y = matmul_reduce_scatter(x, self.weight, self.tp_group)
             return y if self.bias is None else y + self.bias
-        y = (self.fp8 or linear)(x, self.weight)
+        return self._reduce((self.fp8 or linear)(x, self.weight))
+
+    def _reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """The partial sums over ranks, then the bias."""
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_region(y, self.tp_group)
         else:
             y = reduce_from_tp_region(y, self.tp_group)
         return y if self.bias is None else y + self.bias
+
+    def _fuses_swiglu(self, x: torch.Tensor) -> bool:
+        """Fused where the kernels run and an autograd backward follows; FP8 and the overlapped
+        reduce-scatter have GEMMs of their own."""
+        return (on_triton(x) and torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+                and self.input_is_parallel and self.fp8 is None and not self.comm_overlap)
 
 
 def enable_comm_overlap(model: nn.Module) -> None:

@@ -15,6 +15,8 @@ errors of order 1. Initialisation is exact: the shards are cut from the same ful
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -31,6 +33,7 @@ from tessera.parallel.sharding import ShardSpec, allreduce_sequence_parallel_gra
 from tessera.parallel.tensor import (
     ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy,
 )
+from tests.conftest import fused_as_on_gpus
 from tests.dist.launcher import run_distributed
 
 LAYER_TOLERANCE = 1e-6
@@ -190,6 +193,8 @@ MODELS = {
     "tiny-gpt TP=4 untied, full recompute": ("tiny-gpt", 4, False, {"untie_embeddings_and_output_weights": True},
                                              Recompute("full", "uniform", 1)),
 }
+# Run with the layers' fused CUDA paths (here through their torch code): SwiGLU fused into fc2.
+FUSED_MODELS = {"tiny-llama TP=2 SP, SwiGLU fused into fc2": ("tiny-llama", 2, True, {}, Recompute())}
 
 
 def _model_config(preset: str, overrides: dict, dropout: float = 0.0) -> ModelConfig:
@@ -211,7 +216,8 @@ def _inputs(config: ModelConfig, documents: bool) -> dict:
     return inputs
 
 
-def _model(group, preset: str, sp: bool, overrides: dict, recompute: Recompute) -> dict:
+def _model(group, preset: str, sp: bool, overrides: dict, recompute: Recompute, fused: bool = False) -> dict:
+    """The TP model against the single-process one (with `fused`, the TP model takes the fused paths)."""
     config = _model_config(preset, overrides)
     inputs = _inputs(config, documents=preset == "tiny-gpt")
     weights = torch.rand(BATCH, config.seq_length, generator=torch.Generator().manual_seed(16))
@@ -223,11 +229,12 @@ def _model(group, preset: str, sp: bool, overrides: dict, recompute: Recompute) 
 
     model = GPTModel(config, tp_group=group, sequence_parallel=sp, recompute=recompute)
     initialize_parameters(model, seed=5)
-    loss = model(**inputs)
-    (loss * weights).sum().backward()
+    with fused_as_on_gpus() if fused else contextlib.nullcontext():
+        loss = model(**inputs)
+        (loss * weights).sum().backward()
+        logits = model(**{**inputs, "labels": None})
     allreduce_sequence_parallel_grads(model, group)
-    errors = {"loss": _error(loss, expected_loss),
-              "logits": _error(model(**{**inputs, "labels": None}), expected_logits)}
+    errors = {"loss": _error(loss, expected_loss), "logits": _error(logits, expected_logits)}
     expected = dict(reference.named_parameters())
     assert model.vocab_size == reference.vocab_size  # else the padding rows change the softmax
     for name, param in model.named_parameters():
@@ -308,9 +315,9 @@ def _run_all() -> dict:
     for tp in (2, 4):
         group = Mesh.build(ParallelConfig(tensor_model_parallel_size=tp), "cpu").tp_group
         results["layers"].update(_layer_checks(group))
-        for name, (preset, model_tp, sp, overrides, recompute) in MODELS.items():
+        for name, (preset, model_tp, sp, overrides, recompute) in {**MODELS, **FUSED_MODELS}.items():
             if model_tp == tp:
-                results["models"][name] = _model(group, preset, sp, overrides, recompute)
+                results["models"][name] = _model(group, preset, sp, overrides, recompute, fused=name in FUSED_MODELS)
         if tp == 2:
             results["rng"].update(_rng_checks(group))
     return results
@@ -334,7 +341,7 @@ def test_layer_matches_single_process(results, name):
             assert error <= LAYER_TOLERANCE, f"rank {rank}: {name}: {quantity} differs by {error:.2e}"
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", list(MODELS) + list(FUSED_MODELS))
 def test_model_matches_single_process(results, name):
     for rank, result in enumerate(results):
         for quantity, error in result["models"][name].items():

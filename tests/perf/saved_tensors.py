@@ -6,6 +6,8 @@ log-sum-exp rows: under 1%)."""
 
 import torch
 
+from tests.conftest import fused_as_on_gpus
+
 B, S, H, HEADS = 2, 96, 320, 4      # b*s, h and ffn (4h) all differ, so shapes tell tensors apart
 
 
@@ -45,6 +47,8 @@ def saved_block_bytes(preset: str, *, compiled: bool, fp8_recipe: str | None = N
 
     x = torch.randn(B, S // tp if sequence_parallel else S, H, requires_grad=True)
     rope = model.rotary(S, None) if model.rotary is not None else None
-    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            fused_as_on_gpus():
         block(x, rope)
     return sum(saved.values()), config.model
+

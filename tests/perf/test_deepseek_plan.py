@@ -16,6 +16,7 @@ from tessera.perf.flops import count_parameters
 from tessera.perf.layout import Layout
 from tessera.perf.memory import GIB, layer_activation_bytes, mtp_parameters, stage_parameters, usable_bytes
 from tessera.perf.search import uneven_split
+from tests.conftest import fused_as_on_gpus
 
 
 def preset(name: str, **changes) -> ModelConfig:
@@ -76,7 +77,8 @@ def test_mla_layer_activations_are_what_autograd_saves():
         return tensor
 
     x = torch.randn(b, s, h, requires_grad=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            fused_as_on_gpus():
         block(x, model.rotary(s, None))
     layout = Layout(micro_batch_size=b, compiled=True, framework="tessera", recompute="selective")
     assert sum(saved.values()) == pytest.approx(layer_activation_bytes(config, layout, s), rel=0.005)

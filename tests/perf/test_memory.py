@@ -8,6 +8,7 @@ import torch
 from tessera.config import ModelConfig
 from tessera.perf.layout import Layout
 from tessera.perf.memory import GIB, chunks_in_flight, estimate_memory, layer_activation_bytes, stage_parameters
+from tests.conftest import fused_as_on_gpus
 from tests.perf import saved_tensors
 
 S, B, H, A, L = 2048, 2, 1024, 16, 8
@@ -201,7 +202,8 @@ def test_moe_layer_activations_are_what_autograd_saves():
         return tensor
 
     x = torch.randn(b, s, h, requires_grad=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            fused_as_on_gpus():
         block(x, model.rotary(s, None))
     layout = Layout(micro_batch_size=b, compiled=True, framework="tessera")
     assert sum(saved.values()) == pytest.approx(layer_activation_bytes(config.model, layout, s, moe=True), rel=0.02)
