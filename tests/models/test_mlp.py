@@ -2,14 +2,16 @@
 run on CUDA, tests/gpu/test_swiglu_cuda.py): its torch path against finite differences, and the MLP
 through the fused path against the plain one."""
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
-import tessera.parallel.tensor as tensor
 from tessera.config import ModelConfig
 from tessera.kernels.swiglu import swiglu_backward, swiglu_forward, swiglu_linear
 from tessera.models.gpt import initialize_parameters
 from tessera.models.mlp import MLP
+from tests.conftest import fused_as_on_gpus
 
 
 def test_swiglu_linear_gradients_are_the_numerical_ones():
@@ -24,7 +26,7 @@ def test_swiglu_linear_gradients_are_the_numerical_ones():
     assert swiglu_linear(hidden[:0], weight).shape == (0, 3, 4)
 
 
-def test_the_fused_mlp_equals_the_plain_one(monkeypatch):
+def test_the_fused_mlp_equals_the_plain_one():
     """fc2 takes the fused path when the kernels run (faked here, so that their torch path runs):
     output, input gradient and both weights' gradients as without it, and the activation not kept."""
     config = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, ffn_hidden_size=24, swiglu=True,
@@ -34,12 +36,12 @@ def test_the_fused_mlp_equals_the_plain_one(monkeypatch):
     x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1))
     results = []
     for fused in (False, True):
-        monkeypatch.setattr(tensor, "on_triton", lambda t: fused)
         xi = x.clone().requires_grad_()
         mlp.zero_grad()
-        out = mlp(xi)
-        assert (type(out.grad_fn).__name__ == "_SwigluLinearBackward") == fused
-        out.square().sum().backward()
+        with fused_as_on_gpus() if fused else contextlib.nullcontext():
+            out = mlp(xi)
+            assert (type(out.grad_fn).__name__ == "_SwigluLinearBackward") == fused
+            out.square().sum().backward()
         results.append([out, xi.grad, mlp.fc1.weight.grad, mlp.fc2.weight.grad])
     for fused, plain in zip(results[1], results[0]):
         assert (fused - plain).norm() <= 1e-6 * plain.norm()   # fp32: the same maths in another order
