@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.config import ConfigError, ModelConfig
+from tessera.kernels.rope import rotary_qkv
 from tessera.models.documents import Documents
 from tessera.models.norm import build_norm
 from tessera.models.rope import apply_rotary
@@ -77,6 +78,9 @@ class Attention(nn.Module):
         qkv = self.qkv(x)  # whole sequence, this rank's heads (under SP, x is a sequence shard)
         batch, seq, _ = qkv.shape
         d = self.head_dim
+        if rope is not None and self.q_norm is None and rope[0].shape[-1] == d:
+            q, k, v = rotary_qkv(qkv, *rope, self.num_heads, self.num_groups)   # one pass each way
+            return attend_and_project(self, *(t.transpose(1, 2) for t in (q, k, v)), documents)
         q, k, v = qkv.split([self.num_heads * d, self.num_groups * d, self.num_groups * d], dim=-1)
         q, k, v = (t.view(batch, seq, -1, d) for t in (q, k, v))
         if self.q_norm is not None:
