@@ -35,20 +35,32 @@ def saved_block_bytes(preset: str, *, compiled: bool, fp8_recipe: str | None = N
         apply_fp8([(0, block)], Fp8Recipe(format="hybrid", recipe=fp8_recipe), set(), B * S)
     if compiled:
         block.compile()
-    weight_shapes = {tuple(p.shape) for p in block.parameters()} | {tuple(p.shape[::-1]) for p in block.parameters()}
-    saved = {}   # storage -> bytes: a saved view (V inside the fused QKV output) keeps all of it alive
-    smallest = B * S * H // tp   # bytes; a TP shard of a [B, S, H] bf16 activation is twice that
+    x = torch.randn(B, S // tp if sequence_parallel else S, H, requires_grad=True)
+    rope = model.rotary(S, None) if model.rotary is not None else None
+    # A TP shard of a [B, S, H] bf16 activation is twice the threshold.
+    return bytes_saved_for_backward(block, x, rope, smaller_left_out=B * S * H // tp), config.model
+
+
+def bytes_saved_for_backward(block, x: torch.Tensor, rope, *, smaller_left_out: int = 0) -> int:
+    """Bytes of the storages autograd keeps when `block(x, rope)` runs under bf16 autocast on the
+    CPU, the fused paths taken as on GPUs. Counted per storage: a saved view keeps all of it alive
+    (V inside the fused QKV output). Left out: tensors shaped like a weight, its transpose or an
+    expert's transpose (weight casts, counted with the weights), the RoPE tables (the model's, one
+    copy for all layers), and storages of fewer than `smaller_left_out` bytes (per-token statistics)."""
+    weight_shapes = {shape for p in block.parameters()
+                     for shape in (tuple(p.shape), tuple(p.shape[::-1]), (*p.shape[:-2], *p.shape[-2:][::-1]))}
+    tables = {t.untyped_storage().data_ptr() for t in rope or ()}
+    saved = {}
 
     def pack(tensor):
         storage = tensor.untyped_storage()
-        if tuple(tensor.shape) not in weight_shapes and storage.nbytes() > smallest:
+        if tuple(tensor.shape) not in weight_shapes and storage.data_ptr() not in tables \
+                and storage.nbytes() >= smaller_left_out:
             saved[storage.data_ptr()] = storage.nbytes()
         return tensor
 
-    x = torch.randn(B, S // tp if sequence_parallel else S, H, requires_grad=True)
-    rope = model.rotary(S, None) if model.rotary is not None else None
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
             fused_as_on_gpus():
         block(x, rope)
-    return sum(saved.values()), config.model
+    return sum(saved.values())
 

@@ -16,7 +16,7 @@ from tessera.perf.flops import count_parameters
 from tessera.perf.layout import Layout
 from tessera.perf.memory import GIB, layer_activation_bytes, mtp_parameters, stage_parameters, usable_bytes
 from tessera.perf.search import uneven_split
-from tests.conftest import fused_as_on_gpus
+from tests.perf.saved_tensors import bytes_saved_for_backward
 
 
 def preset(name: str, **changes) -> ModelConfig:
@@ -67,21 +67,10 @@ def test_mla_layer_activations_are_what_autograd_saves():
     model = GPTModel(config, recompute=Recompute("selective")).train()
     block = model.layers[0]
     block.compile()
-    weight_shapes = {shape for p in block.parameters() for shape in (tuple(p.shape), tuple(p.shape[::-1]))}
-    saved = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if tuple(tensor.shape) not in weight_shapes and storage.nbytes() >= 2 * b * s * 16:   # not RoPE's tables
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
     x = torch.randn(b, s, h, requires_grad=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-            fused_as_on_gpus():
-        block(x, model.rotary(s, None))
+    saved = bytes_saved_for_backward(block, x, model.rotary(s, None), smaller_left_out=2 * b * s * 16)
     layout = Layout(micro_batch_size=b, compiled=True, framework="tessera", recompute="selective")
-    assert sum(saved.values()) == pytest.approx(layer_activation_bytes(config, layout, s), rel=0.005)
+    assert saved == pytest.approx(layer_activation_bytes(config, layout, s), rel=0.005)
 
 
 def test_the_mtp_depths_live_on_the_last_stage():

@@ -8,8 +8,8 @@ import torch
 from tessera.config import ModelConfig
 from tessera.perf.layout import Layout
 from tessera.perf.memory import GIB, chunks_in_flight, estimate_memory, layer_activation_bytes, stage_parameters
-from tests.conftest import fused_as_on_gpus
 from tests.perf import saved_tensors
+from tests.perf.saved_tensors import bytes_saved_for_backward
 
 S, B, H, A, L = 2048, 2, 1024, 16, 8
 
@@ -191,19 +191,6 @@ def test_moe_layer_activations_are_what_autograd_saves():
     model = GPTModel(config.model)
     block = model.layers[0]
     block.compile()
-    weight_shapes = {shape for p in block.parameters()
-                     for shape in (tuple(p.shape), tuple(p.shape[::-1]), (*p.shape[:-2], *p.shape[-2:][::-1]))}
-    saved = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if tuple(tensor.shape) not in weight_shapes:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    x = torch.randn(b, s, h, requires_grad=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-            fused_as_on_gpus():
-        block(x, model.rotary(s, None))
+    saved = bytes_saved_for_backward(block, torch.randn(b, s, h, requires_grad=True), model.rotary(s, None))
     layout = Layout(micro_batch_size=b, compiled=True, framework="tessera")
-    assert sum(saved.values()) == pytest.approx(layer_activation_bytes(config.model, layout, s, moe=True), rel=0.02)
+    assert saved == pytest.approx(layer_activation_bytes(config.model, layout, s, moe=True), rel=0.02)
