@@ -67,7 +67,10 @@ def check_against_full_recompute(model, engine, prompt_list, params_list):
         full = {rid: model(torch.tensor([seq[:-1]]))[0, :, :engine.vocab_size] for rid, seq in sequences.items()}
     steps = {rid: 0 for rid in sequences}
     for rid, length, logits in recorder.rows:
-        torch.testing.assert_close(logits, full[rid][length - 1], rtol=1e-5, atol=1e-5)
+        want = full[rid][length - 1]
+        # fp32 summed in another order (cached blocks, chunks): within 1e-5 of the row's scale
+        # (the largest differences seen, 1.2e-5 on logits up to 4-8, are ~3e-6 of it).
+        torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
         steps[rid] += 1
     for (rid, seq), prompt, completion in zip(sequences.items(), prompt_list, completions):
         assert steps[rid] == len(completion.token_ids) == len(seq) - len(prompt)   # every token was checked
