@@ -44,7 +44,7 @@ def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: i
     batch, seq, width = qkv.shape
     d = width // (heads + 2 * groups)
     q, k, v = (t.view(batch, seq, -1, d) for t in qkv.split([heads * d, groups * d, groups * d], dim=-1))
-    if not rotary_qkv_applies(qkv, cos):
+    if not rotary_qkv_applies(qkv, cos):   # v copied even where contiguous: no output may alias qkv
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v.clone(memory_format=torch.contiguous_format)
     outputs = tuple(qkv.new_empty(t.shape) for t in (q, k, v))
     for source, target, rotate in zip((q, k, v), outputs, (True, True, False)):
