@@ -47,8 +47,9 @@ def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: i
     if not rotary_qkv_applies(qkv, cos):   # v copied even where contiguous: no output may alias qkv
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v.clone(memory_format=torch.contiguous_format)
     outputs = tuple(qkv.new_empty(t.shape) for t in (q, k, v))
+    tables = _kernel_tables(cos, sin, batch, seq)
     for source, target, rotate in zip((q, k, v), outputs, (True, True, False)):
-        _rotate(source, target, cos, sin, rotate=rotate, inverse=False)
+        _rotate(source, target, tables, rotate=rotate, inverse=False)
     return outputs
 
 
@@ -69,8 +70,9 @@ def rotary_qkv_backward(d_q: torch.Tensor, d_k: torch.Tensor, d_v: torch.Tensor,
         parts = (_rotate_back(d_q, cos, sin), _rotate_back(d_k, cos, sin), d_v)
         return torch.cat([p.reshape(batch, seq, -1) for p in parts], dim=-1)
     d_qkv = d_q.new_empty(batch, seq, sum(widths))
+    tables = _kernel_tables(cos, sin, batch, seq)
     for source, target, rotate in zip((d_q, d_k, d_v), d_qkv.split(widths, dim=-1), (True, True, False)):
-        _rotate(source, target.view(source.shape), cos, sin, rotate=rotate, inverse=True)
+        _rotate(source, target.view(source.shape), tables, rotate=rotate, inverse=True)
     return d_qkv
 
 
@@ -99,8 +101,14 @@ def _rotate_back(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     return grad * cos + torch.cat([second * sin_second, -first * sin_first], dim=-1)
 
 
-def _rotate(source: torch.Tensor, target: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
-            rotate: bool, inverse: bool) -> None:
+def _kernel_tables(cos: torch.Tensor, sin: torch.Tensor, batch: int, seq: int) -> list[torch.Tensor]:
+    """cos and sin as [b, s, 1, d] (stride 0 over a batch they share), channels contiguous."""
+    tables = [(t if t.dim() == 4 else t.unsqueeze(0)).expand(batch, seq, 1, t.shape[-1]) for t in (cos, sin)]
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in tables]
+
+
+def _rotate(source: torch.Tensor, target: torch.Tensor, tables: list[torch.Tensor], *, rotate: bool,
+            inverse: bool) -> None:
     """target [b, s, n, d] = source rotated (or its gradient rotated back, `inverse`), or copied."""
     if source.stride(-1) != 1:
         source = source.contiguous()
@@ -108,10 +116,6 @@ def _rotate(source: torch.Tensor, target: torch.Tensor, cos: torch.Tensor, sin: 
     tokens = batch * seq
     if not tokens or not heads:
         return
-    tables = [t if t.dim() == 4 else t.unsqueeze(0) for t in (cos, sin)]
-    tables = [t.expand(batch, seq, 1, d) for t in tables]
-    if any(t.stride(-1) != 1 for t in tables):
-        tables = [t.contiguous() for t in tables]
     _rotate_kernel[(triton.cdiv(tokens, ROWS),)](
         source, target, *tables, tokens, seq, heads, *source.stride()[:3], *target.stride()[:3],
         *tables[0].stride()[:2], *tables[1].stride()[:2],
