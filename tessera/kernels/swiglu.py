@@ -1,8 +1,9 @@
 """SwiGLU in one pass each way: the MoE experts' (weighted by the routing probabilities) and the
-dense MLP's (fused into fc2's GEMM).
+dense MLP's (fused into fc2's GEMM by tessera.kernels.activation_linear).
 
-    out = weighted_swiglu(hidden, probs)   # SiLU(gate) * up * probs[:, None], hidden = [gate | up]
-    y = swiglu_linear(hidden, weight)      # (SiLU(gate) * up) W^T, the activation not kept
+    out = weighted_swiglu(hidden, probs)          # SiLU(gate) * up * probs[:, None], hidden = [gate | up]
+    act = swiglu_forward(hidden)                  # SiLU(gate) * up
+    d_hidden, act = swiglu_backward(grad, hidden) # and the activation again, for fc2's weight gradient
 
 hidden [rows, 2 ffn] is fc1's output. Both compute in fp32 and round to hidden's dtype.
 
@@ -14,10 +15,9 @@ d gate, d up and d probs (1.4 ms; M's step 1.025x faster).
 
 The dense MLP: compiled, its backward was one kernel at ~2.5 TB/s over gate, up and d act,
 writing d gate, d up and the activation again for fc2's weight gradient (10.5 ms of config
-B's 226 ms of kernels). `swiglu_linear` keeps what it kept (fc1's output, not the
-activation) and does the same work in one Triton pass: backward, d act = dy W, then one
-kernel for d hidden and the activation, then d W = dy^T act. Without CUDA and Triton the
-same maths runs in torch.
+B's 226 ms of kernels). The fused fc2 keeps fc1's output, not the activation, and its
+backward's kernel here does the same work in one Triton pass. Without CUDA and Triton the same
+maths runs in torch.
 """
 
 from __future__ import annotations
@@ -131,31 +131,6 @@ def swiglu_backward(grad: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Ten
 @swiglu_backward.register_fake
 def _(grad, hidden):
     return torch.empty_like(hidden), hidden.new_empty(hidden.shape[0], hidden.shape[1] // 2)
-
-
-class _SwigluLinear(torch.autograd.Function):
-    """(SiLU(gate) * up) W^T keeping fc1's output and W for the backward, not the activation."""
-
-    @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        rows = hidden.reshape(-1, hidden.shape[-1])
-        ctx.save_for_backward(rows, weight)
-        ctx.leading = hidden.shape[:-1]
-        # Not a view of a tensor made here: the caller's reduction over TP ranks works in place.
-        return F.linear(swiglu_forward(rows).view(*ctx.leading, rows.shape[-1] // 2), weight)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        rows, weight = ctx.saved_tensors
-        grad = grad.reshape(-1, weight.shape[0])
-        d_hidden, act = swiglu_backward(grad @ weight, rows)
-        return d_hidden.view(*ctx.leading, rows.shape[-1]), grad.t() @ act
-
-
-def swiglu_linear(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """(SiLU(gate) * up) W^T of hidden [..., 2 ffn] and W [out, ffn], in hidden's dtype (fp32
-    weights under autocast are cast as autocast would)."""
-    return _SwigluLinear.apply(hidden, weight.to(hidden.dtype))
 
 
 def _gate_and_up_gradients(d_act: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):

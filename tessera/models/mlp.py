@@ -1,5 +1,5 @@
 """The feed-forward block: GeLU, or SwiGLU with gate and up projections fused in one GEMM
-(and the activation applied by fc2, tessera.parallel.tensor.RowParallelLinear).
+(the activation applied by fc2, tessera.parallel.tensor.RowParallelLinear).
 
 Column-parallel fc1 and row-parallel fc2: the inner features are split over tensor-parallel ranks.
 """
@@ -7,7 +7,6 @@ Column-parallel fc1 and row-parallel fc2: the inner features are split over tens
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tessera.config import ConfigError, ModelConfig
@@ -22,7 +21,8 @@ class MLP(nn.Module):
                  ffn_hidden_size: int | None = None, ffn_flag: str = "--ffn-hidden-size"):
         super().__init__()
         ffn = ffn_hidden_size or config.ffn_hidden_size   # a MoE's shared expert has its own width
-        self.swiglu, self.openai_gelu = config.swiglu, config.openai_gelu
+        self.swiglu = config.swiglu
+        self.activation = "swiglu" if config.swiglu else "gelu_tanh" if config.openai_gelu else "gelu"
         _, tp_size = rank_and_size(tp_group)
         if ffn % tp_size:
             raise ConfigError(f"{ffn_flag} ({ffn}) must be divisible by --tensor-model-parallel-size ({tp_size})")
@@ -35,11 +35,4 @@ class MLP(nn.Module):
                                      tp_group=tp_group, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.swiglu:   # fc2 applies SiLU(gate) * up, in its GEMM's kernels where it can
-            return self.fc2(self.fc1(x), swiglu_input=True)
-        return self.fc2(gelu(self.fc1(x), openai_gelu=self.openai_gelu))
-
-
-def gelu(hidden: torch.Tensor, *, openai_gelu: bool) -> torch.Tensor:
-    """GeLU, tanh-approximated with --openai-gelu."""
-    return F.gelu(hidden, approximate="tanh" if openai_gelu else "none")
+        return self.fc2(self.fc1(x), activation=self.activation)   # fused with fc2's GEMM where it can

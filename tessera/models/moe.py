@@ -28,8 +28,9 @@ from torch import nn
 from tessera.config import ModelConfig
 from tessera.kernels.fp8 import Fp8Recipe
 from tessera.kernels.fp8_grouped import fp8_grouped_linear, padded_groups
+from tessera.kernels.gelu import gelu
 from tessera.kernels.swiglu import weighted_swiglu
-from tessera.models.mlp import MLP, gelu
+from tessera.models.mlp import MLP
 from tessera.models.router import Router
 from tessera.parallel.experts import ExpertGroups, build_dispatcher
 from tessera.parallel.sharding import ShardSpec, annotate, rank_and_size
@@ -133,7 +134,7 @@ class GroupedExperts(nn.Module):
         # In fp32, back to the GEMMs' dtype: SwiGLU by one kernel each way, GeLU as a compiled block fuses it.
         if self.swiglu:
             return weighted_swiglu(hidden, probs)
-        out = gelu(hidden.float(), openai_gelu=self.openai_gelu) * probs.unsqueeze(-1)
+        out = gelu(hidden.float(), tanh=self.openai_gelu) * probs.unsqueeze(-1)
         return out.to(hidden.dtype)
 
 

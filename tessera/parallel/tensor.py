@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.kernels.gemv import linear
-from tessera.kernels.swiglu import on_triton, swiglu, swiglu_linear
+from tessera.kernels.activation_linear import activate, activation_linear
+from tessera.kernels.swiglu import on_triton
 from tessera.parallel.collectives import all_gather_flat, reduce_scatter_flat
 from tessera.parallel.sharding import ShardSpec, annotate, rank_and_size, sum_replica_grads
 from tessera.parallel.tp_overlap import SEQUENCE_DIM, all_gather_matmul, matmul_reduce_scatter
@@ -207,13 +208,13 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
         self.fp8 = None   # as ColumnParallelLinear's
 
-    def forward(self, x: torch.Tensor, *, swiglu_input: bool = False) -> torch.Tensor:
-        """With `swiglu_input` x is fc1's [gate | up] and SiLU(gate) * up enters the GEMM: fused
-        with it when training on CUDA (tessera.kernels.swiglu.swiglu_linear)."""
-        if swiglu_input:
-            if self._fuses_swiglu(x):
-                return self._reduce(swiglu_linear(x, self.weight))
-            x = swiglu(x)
+    def forward(self, x: torch.Tensor, *, activation: str | None = None) -> torch.Tensor:
+        """With an `activation` ("swiglu", "gelu", "gelu_tanh") x is fc1's output and act(x) enters
+        the GEMM: fused with it when training on CUDA (tessera.kernels.activation_linear)."""
+        if activation:
+            if self._fuses_activation(x):
+                return self._reduce(activation_linear(x, self.weight, activation))
+            x = activate(x, activation)
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp_group)
         if self.comm_overlap:
@@ -229,7 +230,7 @@ class RowParallelLinear(nn.Module):
             y = reduce_from_tp_region(y, self.tp_group)
         return y if self.bias is None else y + self.bias
 
-    def _fuses_swiglu(self, x: torch.Tensor) -> bool:
+    def _fuses_activation(self, x: torch.Tensor) -> bool:
         """Fused where the kernels run and an autograd backward follows; FP8 and the overlapped
         reduce-scatter have GEMMs of their own."""
         return (on_triton(x) and torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)

@@ -125,10 +125,10 @@ def layer_activation_bytes(model: ModelConfig, layout: Layout, seq_length: int,
     rebuilds_norms = rebuilds and not layout.sequence_parallel
     gemm_inputs = 2 * s * b * h if f and not rebuilds_norms else 0.0   # fc1's
     gated = 2 if model.swiglu else 1
-    # tessera's SwiGLU enters fc2's GEMM in one autograd function that keeps fc1's output, not the
-    # activation (tessera.kernels.swiglu.swiglu_linear), where fc2 has no GEMMs of its own (FP8, overlap).
-    fused_swiglu = tessera and model.swiglu and not fp8 and not layout.tp_comm_overlap
-    tensor_sharded = 2 * s * b * f * gated + (0.0 if rebuilds or fused_swiglu else 2 * s * b * f)
+    # tessera's activation enters fc2's GEMM in one autograd function that keeps fc1's output, not the
+    # activation (tessera.kernels.activation_linear), where fc2 has no GEMMs of its own (FP8, overlap).
+    fused_activation = tessera and not fp8 and not layout.tp_comm_overlap
+    tensor_sharded = 2 * s * b * f * gated + (0.0 if rebuilds or fused_activation else 2 * s * b * f)
     if model.multi_latent_attention:
         replicated, gathered, sharded = mla_saved_elements(model, layout)
         norm_inputs += replicated * s * b

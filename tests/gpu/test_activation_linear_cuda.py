@@ -1,0 +1,72 @@
+"""The dense MLP's activation fused into fc2 (tessera.kernels.activation_linear) with its Triton
+kernels, against PyTorch's autograd of the unfused layer, on rows and widths that do not fill the
+kernels' tiles; and compiled GPTs with the fused GeLU against eager. Run on a GPU machine:
+`python3 -m pytest tests/gpu -q`."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tessera.kernels.activation_linear import ACTIVATIONS, activation_linear
+from tessera.kernels.gelu import gelu_backward, gelu_forward
+from tessera.training.trainer import Trainer
+from tests.conftest import run_config
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def pytorch_activation(hidden: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "swiglu":
+        gate, up = hidden.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(hidden, approximate="tanh" if activation == "gelu_tanh" else "none")
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("rows, ffn", [(1003, 300), (4096, 768), (0, 64)])
+def test_activation_linear_kernels_equal_autograd_of_the_formula(activation, rows, ffn):
+    """The same GEMMs either way (d act = dy W, d W = dy^T act): differences are the activation's
+    roundings, a bf16 ulp in act and d hidden, carried through the GEMMs."""
+    generator = torch.Generator("cuda").manual_seed(1)
+    width = 2 * ffn if activation == "swiglu" else ffn
+    hidden = (3 * torch.randn(rows, width, device="cuda", generator=generator)).bfloat16()
+    weight = (torch.randn(96, ffn, device="cuda", generator=generator) / ffn**0.5).bfloat16()
+    grad = torch.randn(rows, 96, device="cuda", generator=generator).bfloat16()
+    results = []
+    for kernel in (True, False):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        if kernel:
+            out = activation_linear(h, w, activation)
+        else:
+            out = F.linear(pytorch_activation(h.float(), activation).to(torch.bfloat16), w)
+        out.backward(grad)
+        results.append((out, h.grad, w.grad))
+    for got, want in zip(*results):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got, want, rtol=2**-6, atol=2e-2 if rows else 0)
+
+
+@pytest.mark.parametrize("tanh", [False, True])
+def test_gelu_kernels_equal_pytorchs_gelu_in_fp32(tanh):
+    """Elementwise, fp32 in and out, a length that is no multiple of the kernels' block, values far
+    into both tails: the kernels against PyTorch's GeLU and its backward op."""
+    generator = torch.Generator("cuda").manual_seed(2)
+    hidden = 6 * torch.randn(3, 10_007, device="cuda", generator=generator)
+    grad = torch.randn(3, 10_007, device="cuda", generator=generator)
+    approximate = "tanh" if tanh else "none"
+    torch.testing.assert_close(gelu_forward(hidden, tanh), F.gelu(hidden, approximate=approximate))
+    d_hidden, act = gelu_backward(grad, hidden, tanh)
+    torch.testing.assert_close(d_hidden, torch.ops.aten.gelu_backward(grad, hidden, approximate=approximate))
+    torch.testing.assert_close(act, F.gelu(hidden, approximate=approximate))
+
+
+@pytest.mark.parametrize("openai_gelu", [False, True])
+def test_compiled_gpt_with_the_fused_gelu_trains_like_eager(openai_gelu):
+    """The autograd function inside a compiled block, bf16 weights (--use-distributed-optimizer)."""
+    flags = ("--model", "tiny-gpt", "--bf16", "--train-iters", "4", "--hidden-dropout", "0", "--attention-dropout",
+             "0", "--device", "cuda", "--num-workers", "0", "--use-distributed-optimizer") \
+        + (("--openai-gelu",) if openai_gelu else ())
+    eager = [r.loss for r in Trainer(run_config(*flags, "--no-compile")).train()]
+    compiled = [r.loss for r in Trainer(run_config(*flags, "--compile")).train()]
+    torch.testing.assert_close(compiled, eager, rtol=2e-2, atol=0)
+    assert compiled[-1] < compiled[0]
