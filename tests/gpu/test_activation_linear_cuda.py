@@ -11,22 +11,18 @@ from tessera.kernels.activation_linear import ACTIVATIONS, activation_linear
 from tessera.kernels.gelu import gelu_backward, gelu_forward
 from tessera.training.trainer import Trainer
 from tests.conftest import run_config
+from tests.models.test_mlp import reference_activation
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-def pytorch_activation(hidden: torch.Tensor, activation: str) -> torch.Tensor:
-    if activation == "swiglu":
-        gate, up = hidden.chunk(2, dim=-1)
-        return F.silu(gate) * up
-    return F.gelu(hidden, approximate="tanh" if activation == "gelu_tanh" else "none")
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("rows, ffn", [(1003, 300), (4096, 768), (0, 64)])
 def test_activation_linear_kernels_equal_autograd_of_the_formula(activation, rows, ffn):
     """The same GEMMs either way (d act = dy W, d W = dy^T act): differences are the activation's
-    roundings, a bf16 ulp in act and d hidden, carried through the GEMMs."""
+    roundings, a bf16 ulp in act and d hidden where fp32 values near a rounding midpoint round
+    either way, carried through the GEMMs: a sum of ~1,000 products whose terms cancel can then
+    differ by more than its own value allows, hence an absolute slack relative to the largest."""
     generator = torch.Generator("cuda").manual_seed(1)
     width = 2 * ffn if activation == "swiglu" else ffn
     hidden = (3 * torch.randn(rows, width, device="cuda", generator=generator)).bfloat16()
@@ -38,12 +34,12 @@ def test_activation_linear_kernels_equal_autograd_of_the_formula(activation, row
         if kernel:
             out = activation_linear(h, w, activation)
         else:
-            out = F.linear(pytorch_activation(h.float(), activation).to(torch.bfloat16), w)
+            out = F.linear(reference_activation(h.float(), activation).to(torch.bfloat16), w)
         out.backward(grad)
         results.append((out, h.grad, w.grad))
     for got, want in zip(*results):
         assert got.dtype == torch.bfloat16
-        torch.testing.assert_close(got, want, rtol=2**-6, atol=2e-2 if rows else 0)
+        torch.testing.assert_close(got, want, rtol=2**-6, atol=2**-8 * want.abs().max().item() if rows else 0)
 
 
 @pytest.mark.parametrize("tanh", [False, True])
