@@ -30,7 +30,8 @@ KINDS = [  # (kind, substrings of the kernel name), first match wins
     ("gemm", ("gemm", "sm90_xmma", "cutlass", "nvjet", "matmul")),
     ("optimizer", ("adam", "multi_tensor", "foreach")),
     ("gather/scatter (MoE permutation)", ("index", "gather", "scatter", "sort", "radix")),
-    ("copy", ("memcpy", "memset", "copy")),
+    # PyTorch's copies (direct_copy_kernel_cuda, ...), not Inductor's fused kernels named after a `_to_copy`
+    ("copy", ("memcpy", "memset", "copy_kernel")),
 ]
 
 
