@@ -22,7 +22,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from tessera.kernels.swiglu import on_triton
+from tessera.kernels.swiglu import compute_dtype, on_triton
 
 try:
     import triton
@@ -38,15 +38,11 @@ def gelu(hidden: torch.Tensor, *, tanh: bool) -> torch.Tensor:
     return F.gelu(hidden, approximate="tanh" if tanh else "none")
 
 
-def _upcast(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.promote_types(t.dtype, torch.float32))   # fp32, or fp64 kept
-
-
 @torch.library.custom_op("tessera::gelu_forward", mutates_args=())
 def gelu_forward(hidden: torch.Tensor, tanh: bool) -> torch.Tensor:
     """GeLU(hidden) in hidden's dtype."""
     if not on_triton(hidden):
-        return gelu(_upcast(hidden), tanh=tanh).to(hidden.dtype)
+        return gelu(hidden.to(compute_dtype(hidden)), tanh=tanh).to(hidden.dtype)
     act = torch.empty_like(hidden, memory_format=torch.contiguous_format)
     if hidden.numel():
         _forward_kernel[(triton.cdiv(hidden.numel(), BLOCK),)](hidden.contiguous(), act, hidden.numel(),
@@ -63,7 +59,7 @@ def _(hidden, tanh):
 def gelu_backward(grad: torch.Tensor, hidden: torch.Tensor, tanh: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(d hidden, the activation recomputed), both in hidden's dtype."""
     if not on_triton(hidden):
-        wide = _upcast(hidden)
+        wide = hidden.to(compute_dtype(hidden))
         d_hidden = torch.ops.aten.gelu_backward(grad.to(wide.dtype), wide, approximate="tanh" if tanh else "none")
         return d_hidden.to(hidden.dtype), gelu(wide, tanh=tanh).to(hidden.dtype)
     d_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format)

@@ -38,7 +38,7 @@ def on_triton(hidden: torch.Tensor) -> bool:
     return triton is not None and hidden.is_cuda
 
 
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)   # fp64 under --moe-router-dtype fp64
 
 
@@ -54,7 +54,7 @@ def swiglu(hidden: torch.Tensor) -> torch.Tensor:
 def weighted_swiglu(hidden: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     """hidden [rows, 2 ffn], probs [rows] -> SiLU(gate) * up * probs [rows, ffn] in hidden's dtype."""
     if not on_triton(hidden):
-        return (swiglu(hidden.to(_compute_dtype(probs))) * probs.unsqueeze(-1)).to(hidden.dtype)
+        return (swiglu(hidden.to(compute_dtype(probs))) * probs.unsqueeze(-1)).to(hidden.dtype)
     return _forward(hidden, probs)
 
 
@@ -68,13 +68,13 @@ def weighted_swiglu_backward(grad: torch.Tensor, hidden: torch.Tensor,
                              probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """weighted_swiglu's input gradients: (d hidden [rows, 2 ffn] in hidden's dtype, d probs [rows], fp32 or fp64)."""
     if not on_triton(hidden):
-        gate, up = hidden.to(_compute_dtype(probs)).chunk(2, dim=-1)
+        gate, up = hidden.to(compute_dtype(probs)).chunk(2, dim=-1)
         grad = grad.to(gate.dtype)
         d_gate, d_up = _gate_and_up_gradients(grad * probs.unsqueeze(-1), gate, up)
         d_probs = (grad * (gate * torch.sigmoid(gate) * up)).sum(dim=-1)
         return torch.cat([d_gate, d_up], dim=-1).to(hidden.dtype), d_probs
     rows, ffn = hidden.shape[0], hidden.shape[1] // 2
-    d_hidden, d_probs = torch.empty_like(hidden), hidden.new_empty(rows, dtype=_compute_dtype(probs))
+    d_hidden, d_probs = torch.empty_like(hidden), hidden.new_empty(rows, dtype=compute_dtype(probs))
     if rows:
         _weighted_backward_kernel[(triton.cdiv(rows, ROWS),)](
             grad.contiguous(), hidden.contiguous(), probs.contiguous(), d_hidden, d_probs, rows, ffn,
@@ -84,7 +84,7 @@ def weighted_swiglu_backward(grad: torch.Tensor, hidden: torch.Tensor,
 
 @weighted_swiglu_backward.register_fake
 def _(grad, hidden, probs):
-    return torch.empty_like(hidden), hidden.new_empty(hidden.shape[0], dtype=_compute_dtype(probs))
+    return torch.empty_like(hidden), hidden.new_empty(hidden.shape[0], dtype=compute_dtype(probs))
 
 
 def _save(ctx, inputs, output):
@@ -104,7 +104,7 @@ weighted_swiglu.register_autograd(_backward, setup_context=_save)
 def swiglu_forward(hidden: torch.Tensor) -> torch.Tensor:
     """hidden [rows, 2 ffn] -> SiLU(gate) * up [rows, ffn] in hidden's dtype."""
     if not on_triton(hidden):
-        return swiglu(hidden.to(_compute_dtype(hidden))).to(hidden.dtype)
+        return swiglu(hidden.to(compute_dtype(hidden))).to(hidden.dtype)
     return _forward(hidden, None)
 
 
@@ -117,7 +117,7 @@ def _(hidden):
 def swiglu_backward(grad: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(d hidden [rows, 2 ffn], the activation [rows, ffn] recomputed), both in hidden's dtype."""
     if not on_triton(hidden):
-        gate, up = hidden.to(_compute_dtype(hidden)).chunk(2, dim=-1)
+        gate, up = hidden.to(compute_dtype(hidden)).chunk(2, dim=-1)
         d_gate, d_up = _gate_and_up_gradients(grad.to(gate.dtype), gate, up)
         return torch.cat([d_gate, d_up], dim=-1).to(hidden.dtype), (F.silu(gate) * up).to(hidden.dtype)
     rows, ffn = hidden.shape[0], hidden.shape[1] // 2

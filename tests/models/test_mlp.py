@@ -39,11 +39,12 @@ def test_activation_linear_gradients_are_the_numerical_ones(activation):
 
 def test_the_activation_ops_pass_torchs_op_checks():
     rows = torch.randn(6, 10)
-    torch.library.opcheck(swiglu_forward, (rows,))
-    torch.library.opcheck(swiglu_backward, (torch.randn(6, 5), rows))
+    checks = [torch.library.opcheck(swiglu_forward, (rows,)),
+              torch.library.opcheck(swiglu_backward, (torch.randn(6, 5), rows))]
     for tanh in (False, True):
-        torch.library.opcheck(gelu_forward, (rows, tanh))
-        torch.library.opcheck(gelu_backward, (torch.randn(6, 10), rows, tanh))
+        checks += [torch.library.opcheck(gelu_forward, (rows, tanh)),
+                   torch.library.opcheck(gelu_backward, (torch.randn(6, 10), rows, tanh))]
+    assert all(set(check.values()) == {"SUCCESS"} for check in checks)
 
 
 def test_an_unknown_activation_is_named():
