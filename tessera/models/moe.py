@@ -8,7 +8,7 @@
 The dispatchers live in tessera.parallel.experts (they are the expert parallelism); the
 router and its load-balancing losses in tessera.models.router. The experts of a rank are
 stacked weights [local experts, out, in] (the layout of Hugging Face's fused experts), run
-in two grouped GEMMs (--moe-grouped-gemm, torch._grouped_mm) or a loop over experts; with
+in two grouped GEMMs (--moe-grouped-gemm: tessera.kernels.grouped_gemm) or a loop over experts; with
 --fp8-experts, in two FP8 grouped GEMMs (tessera.kernels.fp8_grouped) either way.
 Routing weights scale each row after the activation, before fc2, as Megatron does.
 
@@ -29,6 +29,7 @@ from tessera.config import ModelConfig
 from tessera.kernels.fp8 import Fp8Recipe
 from tessera.kernels.fp8_grouped import fp8_grouped_linear, padded_groups
 from tessera.kernels.gelu import gelu
+from tessera.kernels.grouped_gemm import grouped_linear
 from tessera.kernels.swiglu import weighted_swiglu
 from tessera.models.mlp import MLP
 from tessera.models.router import Router
@@ -110,10 +111,9 @@ class GroupedExperts(nn.Module):
         if self.fp8 is not None:
             return self._fp8_forward(x, tokens_per_expert, probs, fc1, fc2)
         if self.grouped_gemm and grouped_mm_available(x.device.type, dtype):
-            offsets = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
-            hidden = torch._grouped_mm(x, fc1.transpose(1, 2), offs=offsets)
-            hidden = self._weighted_activation(hidden, probs)
-            return torch._grouped_mm(hidden, fc2.transpose(1, 2), offs=offsets)
+            bounds = F.pad(torch.cumsum(tokens_per_expert, 0), (1, 0)).to(torch.int32)
+            hidden = self._weighted_activation(grouped_linear(x, fc1, bounds), probs)
+            return grouped_linear(hidden, fc2, bounds)
         sizes = tokens_per_expert.tolist()   # a host sync: the loop needs the sizes
         outputs = [F.linear(self._weighted_activation(F.linear(rows, fc1[expert]), weights), fc2[expert])
                    for expert, (rows, weights) in enumerate(zip(x.split(sizes), probs.split(sizes)))]

@@ -133,3 +133,26 @@ def test_weighted_swiglu_gradients_are_the_numerical_ones():
     torch.testing.assert_close(weighted_swiglu(hidden, probs), F.silu(gate) * up * probs.detach()[:, None])
     torch.library.opcheck(weighted_swiglu, (hidden.float().detach().requires_grad_(), probs.float().detach()))
     assert weighted_swiglu(hidden[:0].bfloat16(), probs[:0].float()).shape == (0, 3)
+
+
+@pytest.mark.skipif(not grouped_mm_available("cpu", torch.float32), reason="torch._grouped_mm has no CPU kernel")
+def test_grouped_linear_equals_a_linear_per_group():
+    """The experts' grouped GEMM op (tessera.kernels.grouped_gemm): output and both gradients
+    against F.linear on each group's rows, an empty group among them; its registration by opcheck."""
+    from tessera.kernels.grouped_gemm import grouped_linear
+
+    generator = torch.Generator().manual_seed(0)
+    sizes = [3, 0, 5, 2]
+    x = torch.randn(sum(sizes), 8, generator=generator, requires_grad=True)
+    weight = torch.randn(len(sizes), 16, 8, generator=generator, requires_grad=True)
+    bounds = F.pad(torch.tensor(sizes).cumsum(0), (1, 0)).to(torch.int32)
+    grad = torch.randn(sum(sizes), 16, generator=generator)
+    got = grouped_linear(x, weight, bounds)
+    got_grads = torch.autograd.grad(got, (x, weight), grad)
+    want = torch.cat([F.linear(rows, w) for rows, w in zip(x.split(sizes), weight)])
+    want_grads = torch.autograd.grad(want, (x, weight), grad)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+    assert got_grads[1][1].abs().sum() == 0   # the empty group's weight gets no gradient
+    torch.library.opcheck(grouped_linear, (x, weight, bounds))
