@@ -25,8 +25,9 @@ class OptimConfig:
     adam_beta2: float = option(0.999, "Adam beta2")
     adam_eps: float = option(1e-8, "Adam epsilon")
     clip_grad: float = option(1.0, "clip the global gradient norm to this (0 disables)")
-    use_precision_aware_optimizer: bool = option(False, "let --exp-avg-dtype / --exp-avg-sq-dtype set the Adam "
-                                                 "moments' dtype (with --use-distributed-optimizer)")
+    use_precision_aware_optimizer: bool = option(False, "keep the fp32 masters as remainders below the bf16 "
+                                                 "weights, and let --exp-avg-dtype / --exp-avg-sq-dtype set the "
+                                                 "Adam moments' dtype (with --use-distributed-optimizer)")
     exp_avg_dtype: str = option("fp32", "dtype of Adam's first moment (bf16: rounded from fp32 maths each step)",
                                 ("fp32", "bf16"))
     exp_avg_sq_dtype: str = option("fp32", "dtype of Adam's second moment", ("fp32", "bf16"))

@@ -12,7 +12,9 @@ sharded over its own group; one AdamW steps the slices of both.
 Model parameters live in one flat buffer laid out exactly like the gradient buffer, so a
 rank's slice of the weights is a contiguous view. With --bf16 the model's weights are
 bf16 (no casts in the forward pass, half the all-gather traffic) and the optimizer keeps
-separate fp32 masters; in fp32 runs the weights are their own masters.
+separate fp32 masters, or with --use-precision-aware-optimizer only their lower halves, the
+weights being the upper ones (tessera.kernels.adamw.split_master); in fp32 runs the weights
+are their own masters.
 
 With --overlap-param-gather the all-gathers start right after the step, and each module
 waits for its bucket only when the next forward reaches it.
@@ -24,7 +26,7 @@ import torch
 from torch import nn
 
 from tessera.config import OptimConfig
-from tessera.kernels.adamw import MasterAdamW
+from tessera.kernels.adamw import MasterAdamW, join_master, split_master
 from tessera.parallel.collectives import all_gather_flat
 from tessera.parallel.ddp import GradBuffer
 
@@ -32,20 +34,25 @@ from tessera.parallel.ddp import GradBuffer
 class DistributedOptimizer:
     def __init__(self, model: nn.Module, buffers: list[GradBuffer], optim: OptimConfig, *,
                  param_dtype: torch.dtype = torch.float32, overlap_param_gather: bool = False,
-                 moment_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32)):
+                 moment_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32),
+                 master_remainders: bool = False):
         self.buffers = buffers
         self.overlap_param_gather = overlap_param_gather
         device = next(iter(buffers[0].ranges)).device
+        remainders = master_remainders and param_dtype == torch.bfloat16
         decay, no_decay = [], []
-        self._masters: list[tuple[torch.Tensor, torch.Tensor, nn.Parameter, int]] = []  # (master, model view, param, offset)
+        # (master: fp32, or the int16 remainder below the model view; model view, param, offset)
+        self._masters: list[tuple[torch.Tensor, torch.Tensor, nn.Parameter, int]] = []
         self._buffer_of: dict[torch.Tensor, GradBuffer] = {}
+        self._stored_grads: dict[torch.Tensor, torch.Tensor] = {}
         self.params = []   # per buffer: the model's weights, laid out like its gradients
         for grads in buffers:
             weights = torch.zeros(grads.size, dtype=param_dtype, device=device)
             self.params.append(weights)
             for param, (start, end) in grads.ranges.items():
-                with torch.no_grad():
-                    weights[start:end].copy_(param.detach().flatten())
+                flat = param.detach().flatten()
+                with torch.no_grad():   # every rank rounds the whole weight as its owner does
+                    weights[start:end].copy_(split_master(flat)[0] if remainders else flat)
                 for bucket_start, bucket_end in map(grads.shard_range, grads.buckets):
                     lo, hi = max(start, bucket_start), min(end, bucket_end)
                     if lo >= hi:
@@ -53,10 +60,14 @@ class DistributedOptimizer:
                     # Masters are cut from the fp32 weights before they are cast, so bf16
                     # rounding of the model copy never reaches the optimizer.
                     model_view = weights[lo:hi]
-                    master = param.detach().flatten()[lo - start:hi - start].float().clone() \
-                        if param_dtype != torch.float32 else model_view
+                    if remainders:
+                        master = split_master(flat[lo - start:hi - start])[1]
+                    elif param_dtype != torch.float32:
+                        master = flat[lo - start:hi - start].float().clone()
+                    else:
+                        master = model_view
                     if grads.stored:
-                        master.grad = grads.data[lo:hi]
+                        self._stored_grads[master] = grads.data[lo:hi]
                     (no_decay if param.ndim == 1 else decay).append(master)
                     self._masters.append((master, model_view, param, lo - start))
                     self._buffer_of[master] = grads
@@ -84,29 +95,55 @@ class DistributedOptimizer:
         return self.optimizer.state
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state on this rank: fp32 masters (if separate) and Adam moments (fp32 or bf16)."""
+        """Bytes of optimizer state on this rank: fp32 masters or their remainders (if separate)
+        and Adam moments (fp32 or bf16)."""
         moments = sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
                       for t in s.values() if torch.is_tensor(t) and t.ndim > 0)
-        masters = sum(m.numel() * 4 for m, v, _, _ in self._masters if m is not v)
+        masters = sum(m.numel() * m.element_size() for m, v, _, _ in self._masters if m is not v)
         if not self.optimizer.state:  # before the first step: what the moments will take
             per_element = sum(dtype.itemsize for dtype in self.optimizer.moment_dtypes)
             moments = per_element * sum(m.numel() for m, _, _, _ in self._masters)
         return moments + masters
 
     def slices(self) -> list[tuple[torch.Tensor, torch.Tensor, nn.Parameter, int]]:
-        """(fp32 master, model-weight view, parameter, flat offset in it) of every slice this
-        rank owns; master and view are the same tensor when the weights are fp32."""
+        """(master, model-weight view, parameter, flat offset in it) of every slice this rank
+        owns. The master keys the slice's Adam state; it is the view itself when the weights are
+        fp32, and the int16 remainder below the view with master remainders."""
         return list(self._masters)
+
+    def master_weights(self) -> list[tuple[torch.Tensor, nn.Parameter, int]] | None:
+        """(fp32 master, parameter, flat offset) of every owned slice, or None when the model's
+        weights are their own masters. Masters kept as remainders are joined into new tensors in
+        host memory (for a checkpoint: no device memory for a second copy): `store_master_weights`
+        puts changes to them back."""
+        if all(master is view for master, view, _, _ in self._masters):
+            return None
+        return [(join_master(view.cpu(), master.cpu()) if master.dtype == torch.int16 else master, param, offset)
+                for master, view, param, offset in self._masters]
+
+    @torch.no_grad()
+    def store_master_weights(self, masters: list[tuple[torch.Tensor, nn.Parameter, int]]) -> None:
+        """Set the masters to master_weights()'s tensors, and every rank's model weights from
+        their owners' masters, as after a step."""
+        for (value, _, _), (master, view, _, _) in zip(masters, self._masters):
+            if master.dtype == torch.int16:
+                high, low = split_master(value.to(master.device))
+                view.copy_(high)
+                master.copy_(low)
+            else:
+                master.copy_(value)
+                view.copy_(master)
+        self._start_gathers()
+        self.wait_all()
 
     def local_grads_with_offsets(self) -> list[tuple[torch.Tensor, nn.Parameter, int]]:
         """(reduced gradient slice this rank owns, its parameter, the slice's flat offset in it)."""
         return [(self._grad(master, param, offset), param, offset) for master, _, param, offset in self._masters]
 
     def _grad(self, master: torch.Tensor, param: nn.Parameter, offset: int) -> torch.Tensor:
-        grads = self._buffer_of[master]
-        if grads.stored:   # bound at construction
-            return master.grad
-        return grads.view(param).view(-1)[offset:offset + master.numel()]
+        if master in self._stored_grads:   # bound at construction
+            return self._stored_grads[master]
+        return self._buffer_of[master].view(param).view(-1)[offset:offset + master.numel()]
 
     def step(self) -> None:
         """Step the owned slices (grad_scale/found_inf set by the caller; the model's bf16 copy

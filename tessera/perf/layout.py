@@ -66,6 +66,12 @@ class Layout:
         return sum(2.0 if dtype == "bf16" else 4.0 for dtype in (self.exp_avg_dtype, self.exp_avg_sq_dtype))
 
     @property
+    def master_bytes(self) -> float:
+        """Bytes a parameter of the distributed optimizer's fp32 masters: 2 where tessera's
+        precision-aware optimizer keeps only their remainders below the bf16 weights."""
+        return 2.0 if self.framework == "tessera" and self.moment_bytes < 8 else 4.0
+
+    @property
     def gpus(self) -> int:
         return self.tp * self.pp * self.cp * self.dp
 

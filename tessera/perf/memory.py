@@ -340,11 +340,11 @@ def _state_bytes_per_parameter(layout: Layout, num_micro_batches: int, shards: i
     parameters with `shards` data-parallel replicas."""
     if layout.fsdp:
         return 2.0 / shards, 4.0 / shards, 12.0 / shards
-    if layout.distributed_optimizer:   # fp32 masters and the moments (bf16 ones with the precision-aware flags)
+    if layout.distributed_optimizer:   # masters and moments (with the precision-aware flags: remainders, bf16)
         # tessera with nothing to reduce or accumulate keeps no gradient buffer: autograd's bf16
         # gradients appear in backward as the activations go (tessera.training.optimizer).
         buffered = layout.framework != "tessera" or shards > 1 or num_micro_batches > 1
-        return 2.0, 4.0 if buffered else 0.0, (4.0 + layout.moment_bytes) / shards
+        return 2.0, 4.0 if buffered else 0.0, (layout.master_bytes + layout.moment_bytes) / shards
     if layout.framework == "megatron":
         return 2.0, 4.0, 12.0
     # tessera, fp32 weights: + their autocast bf16 casts; gradients exist at the peak only

@@ -48,7 +48,8 @@ from tessera.perf.moe import add_routed_experts
 
 # Bytes a parameter costs in the optimizer step: Adam reads fp32 param, grad, m, v (16),
 # writes param, m, v (12) and the bf16 copy (2); the grad-norm reads the grad again (4).
-# With bf16 moments (Layout.moment_bytes 4 instead of 8) m and v cost half, read and written.
+# With bf16 moments (Layout.moment_bytes 4 instead of 8) m and v cost half, read and written,
+# and masters kept as remainders (Layout.master_bytes 2 instead of 4) write 2 bytes less.
 OPTIMIZER_BYTES_PER_PARAM = 34.0
 # Bytes per logit of Megatron's unfused vocab-parallel cross-entropy. Forward: transpose
 # to contiguous (2+2), .float() (2+4), max (4), subtract (4+4), exp (4+4), sum (4),
@@ -386,8 +387,12 @@ def _data_parallel(step: Phase, steps: StepModel, layout: Layout, params: StageP
             step.add("dp_comm", _exposed(reduce, bwd_time, last, layout.overlap_grad_reduce))
     shard = params.dense / (layout.dp * layout.cp) + params.experts / layout.edp if sharded else params.total
     # The shard's update, and zeroing every gradient.
-    moments_saved = 8.0 - layout.moment_bytes if layout.distributed_optimizer and not layout.fsdp else 0.0
-    per_param = OPTIMIZER_BYTES_PER_PARAM - 2 * moments_saved   # each moment byte is read and written
+    sharded_state = layout.distributed_optimizer and not layout.fsdp
+    moments_saved = 8.0 - layout.moment_bytes if sharded_state else 0.0
+    masters_saved = 4.0 - layout.master_bytes if sharded_state else 0.0
+    # Each moment byte is read and written; a remainder master reads what the fp32 one did (the
+    # weight and the remainder) and writes 2 bytes less.
+    per_param = OPTIMIZER_BYTES_PER_PARAM - 2 * moments_saved - masters_saved
     step.add("optimizer", (shard * per_param + params.total * GRAD_BYTES) / steps.hbm)
 
 

@@ -47,8 +47,8 @@ import yaml
 from tessera.config import ConfigError, ModelConfig, RunConfig, flag
 from tessera.files import atomic_write
 from tessera.training.checkpoint_state import (
-    Chunked, LoadPlanner, SavePlanner, fp8_scaling_state, fp8_scaling_targets, master_state, model_state,
-    optimizer_state, optimizer_steps, restore_fp8_scaling, saved_like, set_optimizer_steps, whole,
+    Chunked, LoadPlanner, SavePlanner, fp8_scaling_state, fp8_scaling_targets, master_state, master_weights,
+    model_state, optimizer_state, optimizer_steps, restore_fp8_scaling, saved_like, set_optimizer_steps, whole,
 )
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -194,7 +194,8 @@ def training_state(trainer) -> dict[str, Any]:
     # With bf16 weights beside a distributed optimizer's fp32 masters, only the masters are
     # saved (each rank its slices): adding the bf16 copy would put two versions of the same
     # block in the plan, and DCP keeps one of them.
-    state: dict[str, Any] = master_state(trainer.model, trainer.optimizer) or model_state(trainer.model)
+    masters = master_weights(trainer.optimizer)
+    state: dict[str, Any] = master_state(trainer.model, masters) if masters else model_state(trainer.model)
     state.update(optimizer_state(trainer.model, trainer.optimizer))
     state.update(fp8_scaling_state(trainer.model))   # FP8 delayed scaling's amax histories and scales
     state["train_state"] = {
@@ -368,9 +369,11 @@ class Checkpointer:
             state[rng_key] = None
         with _single_process_ok():
             dcp.load(state, storage_reader=dcp.FileSystemReader(directory), planner=LoadPlanner())
-        masters = master_state(trainer.model, trainer.optimizer)
+        masters = master_weights(trainer.optimizer)
         if masters:  # fp32 masters read from the same (fp32) weights, not from the bf16 copy
-            dcp.load(masters, storage_reader=dcp.FileSystemReader(directory), planner=LoadPlanner())
+            dcp.load(master_state(trainer.model, masters), storage_reader=dcp.FileSystemReader(directory),
+                     planner=LoadPlanner())
+            trainer.optimizer.inner.store_master_weights(masters)
         if weights_only:
             return
         train_state = state["train_state"]

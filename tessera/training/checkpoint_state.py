@@ -284,16 +284,20 @@ def set_optimizer_steps(optimizer, steps: float) -> None:
         state["step"].fill_(steps)
 
 
-def master_state(model: nn.Module, optimizer) -> dict[str, Chunked] | None:
-    """The fp32 master weights of a distributed optimizer that keeps them apart from a bf16
-    model, under the model's keys: saved instead of the bf16 copy, so that the stored weights
-    are exact in any layout. None when the model's weights are their own masters."""
+def master_weights(optimizer) -> list[tuple[torch.Tensor, nn.Parameter, int]] | None:
+    """A distributed optimizer's fp32 masters kept apart from a bf16 model, as (master,
+    parameter, flat offset) slices (DistributedOptimizer.master_weights); None when the model's
+    weights are their own masters."""
     inner = optimizer.inner
-    if not isinstance(inner, DistributedOptimizer) or all(m is v for m, v, _, _ in inner.slices()):
-        return None
+    return inner.master_weights() if isinstance(inner, DistributedOptimizer) else None
+
+
+def master_state(model: nn.Module, masters: list[tuple[torch.Tensor, nn.Parameter, int]]) -> dict[str, Chunked]:
+    """`master_weights` under the model's keys: saved instead of the bf16 copy, so that the
+    stored weights are exact in any layout."""
     names = {param: _name(name) for name, param in model.named_parameters()}
     state: dict[str, Chunked] = {}
-    for master, _, param, offset in inner.slices():
+    for master, param, offset in masters:
         chunked = state.setdefault(f"model.{names[param]}", Chunked(_spec(param).full_shape, []))
         chunked.blocks += [b for view, origin in _flat_range_rectangles(master, offset, tuple(param.shape))
                            for b in _to_full(_spec(param), view, origin)]

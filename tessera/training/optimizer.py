@@ -173,7 +173,8 @@ class TrainingOptimizer:
         return optimizer.found_inf
 
     def state_bytes(self) -> int:
-        """Optimizer-state bytes on this rank (fp32 masters kept apart from the model, Adam moments)."""
+        """Optimizer-state bytes on this rank (fp32 masters or their remainders kept apart from the
+        model, Adam moments)."""
         if isinstance(self.inner, DistributedOptimizer):
             return self.inner.state_bytes()
         return 2 * 4 * sum(_local(p).numel() for p in self.model.parameters())
@@ -205,7 +206,8 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, parallel: ParallelConf
     if parallel.use_distributed_optimizer:
         inner = DistributedOptimizer(model, buffers, optim, param_dtype=torch.bfloat16 if bf16 else torch.float32,
                                      overlap_param_gather=parallel.overlap_param_gather,
-                                     moment_dtypes=(_DTYPES[optim.exp_avg_dtype], _DTYPES[optim.exp_avg_sq_dtype]))
+                                     moment_dtypes=(_DTYPES[optim.exp_avg_dtype], _DTYPES[optim.exp_avg_sq_dtype]),
+                                     master_remainders=optim.use_precision_aware_optimizer)
         return TrainingOptimizer(model, optim, mesh, buffers=buffers, inner=inner, dp_sharded=True,
                                  pipeline=pipeline)
     return TrainingOptimizer(model, optim, mesh, buffers=buffers, inner=_adamw(params, optim), dp_sharded=False,

@@ -4,7 +4,7 @@ Run on a GPU machine: `python3 -m pytest tests/gpu -q` (skipped elsewhere)."""
 import pytest
 import torch
 
-from tessera.kernels.adamw import MasterAdamW, triton
+from tessera.kernels.adamw import MasterAdamW, join_master, split_master, triton
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or triton is None, reason="needs CUDA and Triton")
 
@@ -78,3 +78,27 @@ def test_bf16_moments_in_the_kernel_are_the_reference_steps():
             assert torch.equal(ours.models[mine], mine.to(torch.bfloat16))
     assert ours.state_of(pairs[0][0])["step"].item() == 3   # the overflow step did not count
 
+
+def test_masters_kept_as_remainders_take_the_fp32_masters_steps_in_the_kernel():
+    """--use-precision-aware-optimizer's masters (the bf16 weight and an int16 remainder, joined in the
+    kernel): after every step the fp32 master the kernel gives a plain fp32 master, bit for bit, and the
+    weight its upper half."""
+    generator = torch.Generator("cuda").manual_seed(0)
+    shapes = [(1000, 33), (4097,)]
+    masters = [torch.randn(s, device="cuda", generator=generator) for s in shapes]
+    halves = [split_master(m) for m in masters]
+    kwargs = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    plain = MasterAdamW([{"params": masters, "weight_decay": 0.1}],
+                        models={m: torch.empty(m.shape, dtype=torch.bfloat16, device="cuda") for m in masters}, **kwargs)
+    split = MasterAdamW([{"params": [low for _, low in halves], "weight_decay": 0.1}],
+                        models={low: high for high, low in halves}, **kwargs)
+    for step, overflow in enumerate([False, True, False, False]):
+        grads = [torch.randn(s, device="cuda", generator=generator).to(torch.bfloat16) for s in shapes]
+        for optimizer in (plain, split):
+            optimizer.grads = dict(zip(optimizer.param_groups[0]["params"], grads))
+            optimizer.grad_scale = torch.tensor(2.0 + step, device="cuda")
+            optimizer.found_inf = torch.tensor(float(overflow), device="cuda")
+            optimizer.step()
+        for master, (high, low) in zip(masters, halves):
+            assert torch.equal(join_master(high, low).view(torch.int32), master.view(torch.int32))
+            assert torch.equal(high, split_master(master)[0])
