@@ -34,6 +34,9 @@ def saved_block_bytes(preset: str, *, compiled: bool, fp8_recipe: str | None = N
     if fp8_recipe:
         apply_fp8([(0, block)], Fp8Recipe(format="hybrid", recipe=fp8_recipe), set(), B * S)
     if compiled:
+        # Dynamo keeps a few compiled variants of a code object per process and runs later ones
+        # eagerly: tests compiling other blocks before this one would otherwise measure eager mode.
+        torch._dynamo.reset()
         block.compile()
     x = torch.randn(B, S // tp if sequence_parallel else S, H, requires_grad=True)
     rope = model.rotary(S, None) if model.rotary is not None else None
