@@ -82,9 +82,15 @@ def _quack(a: torch.Tensor, b: torch.Tensor):
     rows), else None."""
     if not (a.is_cuda and a.dtype == b.dtype == torch.bfloat16 and a.numel() and b.numel()):
         return None
-    if a.shape[-1] % 8 or b.shape[-1] % 8 or torch.cuda.get_device_capability(a.device)[0] != 9:
+    if a.shape[-1] % 8 or b.shape[-1] % 8 or not _hopper(a.device.index):
         return None
     return _quack_gemm()
+
+
+@functools.cache
+def _hopper(device_index: int | None) -> bool:
+    """Whether the GPU is a Hopper, asked once a device: this runs for each of a step's GEMMs."""
+    return torch.cuda.get_device_capability(device_index)[0] == 9
 
 
 @functools.cache
