@@ -5,14 +5,18 @@
 Prints the top CUDA kernels, a breakdown by kind (GEMM, attention, optimizer,
 elementwise/reduction, copies) as a fraction of the step, and how much of the step the GPU
 has no kernel running, with the longest such gaps (where it waits for the host). Host
-activity is recorded only with --out (it slows the host and so widens the gaps).
+activity is recorded only with --out (it slows the host and so widens the gaps); then the
+trace is written there and the host's side of the gaps is printed: for each long gap, how
+late the host launched the kernel after it and the Python code it was running, and which
+code launches the kernels that find the GPU already idle.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import torch
@@ -60,6 +64,55 @@ def print_gaps(prof, steps: int, longest: int = 8) -> None:
         print(f"  {gap / 1e3:7.3f} ms  after {before[:60]}  before {after[:60]}")
 
 
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
+
+
+def print_host_view(trace: Path, steps: int, longest: int = 8, min_gap_us: float = 20.0) -> None:
+    """From a Chrome trace with host activity and Python stacks: where the GPU waited for the host.
+
+    A kernel that starts less than a few microseconds after its launch call found the GPU idle;
+    the Python frames around that launch are the code the GPU waited for."""
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
+    frames = defaultdict(list)   # host thread -> Python frames, by start time
+    for e in events:
+        if e.get("cat") == "python_function":
+            frames[e["tid"]].append(e)
+    for stack in frames.values():
+        stack.sort(key=lambda e: e["ts"])
+    kernels = sorted((e for e in events if e.get("cat") in GPU_CATEGORIES), key=lambda e: e["ts"])
+
+    def code_at(launch: dict) -> str:
+        """The innermost frames of tessera's (or a kernel library's) code around a launch."""
+        t = launch["ts"]
+        around = [f for f in frames[launch["tid"]] if f["ts"] <= t <= f["ts"] + f["dur"]]
+        ours = [f["name"] for f in around if any(k in f["name"] for k in ("tessera/", "quack/", "bench/"))]
+        return " < ".join(name.split("/")[-1] for name in reversed(ours[-3:])) or (around[-1]["name"] if around
+                                                                                   else "?")
+
+    late_gap, late_count = Counter(), Counter()
+    gaps, busy_until = [], kernels[0]["ts"] if kernels else 0
+    for kernel in kernels:
+        gap = kernel["ts"] - busy_until
+        launch = launches.get(kernel.get("args", {}).get("correlation"))
+        if gap > 0 and launch is not None:
+            gaps.append((gap, kernel, launch))
+            if kernel["ts"] - (launch["ts"] + launch["dur"]) < min_gap_us:   # the launch came after the GPU ran dry
+                where = code_at(launch)
+                late_gap[where] += gap
+                late_count[where] += 1
+        busy_until = max(busy_until, kernel["ts"] + kernel["dur"])
+    print(f"host view: {sum(late_count.values()) // steps} kernels a step found the GPU idle; "
+          f"the code that launched them (idle ms a step, launches a step):")
+    for where, gap in late_gap.most_common(12):
+        print(f"  {gap / steps / 1e3:7.3f} ms  x{late_count[where] // steps:<5d} {where[:150]}")
+    print("the longest gaps, with the host's code at the launch that ended each:")
+    for gap, kernel, launch in sorted(gaps, key=lambda g: -g[0])[:longest]:
+        print(f"  {gap / 1e3:7.3f} ms  before {kernel['name'][:50]}  <- {code_at(launch)[:150]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", choices=sorted(CONFIGS), default="B")
@@ -76,7 +129,7 @@ def main() -> None:
         trainer.train_step()
     torch.cuda.synchronize()
     activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if args.out else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, with_stack=bool(args.out)) as prof:
         for _ in range(args.steps):
             trainer.train_step()
         torch.cuda.synchronize()
@@ -93,7 +146,9 @@ def main() -> None:
         print(f"  {e.device_time_total / args.steps / 1e3:8.2f} ms  x{e.count // args.steps:<5d} {e.key[:110]}")
     print_gaps(prof, args.steps)
     if args.out:
-        prof.export_chrome_trace(str(Path(args.out) / f"trace_{args.config}.json"))
+        trace = Path(args.out) / f"trace_{args.config}.json"
+        prof.export_chrome_trace(str(trace))
+        print_host_view(trace, args.steps)
 
 
 if __name__ == "__main__":

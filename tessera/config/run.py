@@ -69,6 +69,7 @@ class RunConfig:
                 "--mtp-num-layers with --context-parallel-size > 1 is not supported (the MTP depths' shifted "
                 "tokens cross the context-parallel split)")
         self._check_experts()
+        self._check_cuda_graph()
         if train.recompute_granularity == "full" and train.recompute_method == "uniform":
             require(
                 model.num_layers % train.recompute_num_layers == 0,
@@ -83,6 +84,27 @@ class RunConfig:
         check_expert_layout(self.model, tp=parallel.tensor_model_parallel_size, cp=parallel.context_parallel_size,
                             dp=self.data_parallel_size, ep=parallel.expert_model_parallel_size,
                             etp=parallel.expert_tensor_size, sequence_parallel=parallel.sequence_parallel)
+
+    def _check_cuda_graph(self) -> None:
+        """What a captured step cannot hold (tessera.training.cuda_graph)."""
+        model, parallel, train, flag = self.model, self.parallel, self.train, "--cuda-graph-impl full_iteration"
+        if train.cuda_graph_impl == "none":
+            return
+        require(self.world_size == 1, f"{flag} runs on one GPU so far: the collectives of {self.world_size} ranks "
+                "are not captured")
+        require(model.hidden_dropout == 0 and model.attention_dropout == 0,
+                f"{flag} needs --hidden-dropout 0 and --attention-dropout 0 (dropout's random streams are "
+                "switched on the host, which a replay skips)")
+        require(train.recompute_granularity is None,
+                f"{flag} does not combine with --recompute-granularity (recomputation restores random states "
+                "on the host)")
+        require(not (train.fp8_format and train.fp8_recipe == "delayed"),
+                f"{flag} does not combine with --fp8-recipe delayed (its amax history moves between tensors each "
+                "step); use tensorwise or blockwise")
+        require(not parallel.use_torch_fsdp2, f"{flag} does not combine with --use-torch-fsdp2 (its hooks gather "
+                "weights on the host's schedule)")
+        require(not self.data.reset_attention_mask,
+                f"{flag} does not combine with --reset-attention-mask (document boundaries are read on the host)")
 
     @property
     def data_parallel_size(self) -> int:

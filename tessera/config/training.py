@@ -89,6 +89,9 @@ class TrainConfig:
     recompute_num_layers: int | None = option(None, "layers per recompute chunk (uniform) or recomputed layers (block)")
     attention_backend: str = option("auto", "SDPA kernel preference", ("auto", "flash", "cudnn", "efficient", "math"))
     compile: bool | None = option(None, "torch.compile each block (default: on for CUDA, off on CPU)")
+    cuda_graph_impl: str = option("none", "full_iteration: replay each step's forward and backward passes as one "
+                                  "CUDA graph (the optimizer step stays eager; one GPU)", ("none", "full_iteration"))
+    cuda_graph_warmup_steps: int = option(3, "eager steps before --cuda-graph-impl captures (compilation settles)")
     device: str = option("auto", "where to train", ("auto", "cpu", "cuda"))
     log_interval: int = option(10, "iterations between log lines")
     log_straggler: bool = option(
@@ -111,6 +114,7 @@ class TrainConfig:
         positive(self, "micro_batch_size", "global_batch_size", "train_iters", "log_interval",
                   "eval_interval", "eval_iters", "exit_interval", "loss_scale_window", "hysteresis",
                   "peak_tflops", "loss_scale", "initial_loss_scale", "min_loss_scale", "straggler_minmax_count")
+        require(self.cuda_graph_warmup_steps >= 0, "--cuda-graph-warmup-steps must be >= 0")
         require(not (self.bf16 and self.fp16), "--bf16 and --fp16 are exclusive")
         self._check_fp8()
         positive(self, "exit_duration_in_mins")

@@ -122,6 +122,11 @@ class MoEBalance:
         for layer in self.layers.values():
             layer.aux_loss_scale.fill_(loss_scale * self.micro_batch_weight)
 
+    def drop_statistics(self) -> None:
+        """Forget the routing statistics counted since the last step (a pass that is not a step)."""
+        for layer in self.layers.values():
+            layer.router.reset_statistics()
+
     @torch.no_grad()
     def finish_step(self, device: torch.device) -> dict[str, torch.Tensor]:
         """Reduce the step's routing statistics, update expert biases, reset; the metrics."""

@@ -7,6 +7,9 @@ and metrics (DESIGN.md). One iteration:
     gradients reduced over data-parallel ranks (during the last backward with --overlap-grad-reduce)
     global grad norm -> AdamW step, unscaled, clipped and skipped on overflow inside the fused kernel
 
+(With --cuda-graph-impl full_iteration the micro-batches' forward and backward passes replay
+as one CUDA graph: tessera.training.cuda_graph.)
+
 Each rank divides its loss by the number of unmasked tokens in the whole global batch, so
 summing gradients over ranks gives the mean over tokens exactly once, and neither the
 micro-batch split nor the number of data-parallel ranks changes the maths. Under context
@@ -38,6 +41,7 @@ from tessera.perf.flops import count_parameters, flops_per_iteration
 from tessera.training import fp8
 from tessera.training.batches import Batch, DataSource, place_batch
 from tessera.training.checkpoint import Checkpointer
+from tessera.training.cuda_graph import StepGraph
 from tessera.training.losses import LossTerms, MoEBalance
 from tessera.training.nan_check import NonFiniteCheck
 from tessera.training.metrics import IterationStats, MetricsWriter, peak_memory_gb, resolve_peak_tflops
@@ -118,6 +122,7 @@ class Trainer:
         # fp16 overflows are expected (the loss scaler handles them): check the loss only.
         self.nan_check = NonFiniteCheck(self.device, check_grads=not train.fp16) \
             if train.check_for_nan_in_loss_and_grad else None
+        self.step_graph = self._step_graph()
         self.checkpointer = Checkpointer(config, self.device)
         self.stragglers = StragglerTimer(self.device, train.straggler_minmax_count) if train.log_straggler else None
         if config.checkpoint.load:
@@ -137,6 +142,17 @@ class Trainer:
             log_json=train.log_json, tensorboard_dir=train.tensorboard_dir,
             enabled=self.mesh.rank == self.mesh.world_size - 1,  # Megatron logs from the last rank
         )
+
+    def _step_graph(self) -> StepGraph | None:
+        """--cuda-graph-impl full_iteration: the forward and backward passes as one CUDA graph."""
+        train = self.config.train
+        if train.cuda_graph_impl == "none":
+            return None
+        if self.device.type != "cuda":
+            raise SystemExit(f"--cuda-graph-impl {train.cuda_graph_impl} needs a CUDA device (training on "
+                             f"{self.device.type})")
+        return StepGraph(self._forward_backward, warmup_steps=train.cuda_graph_warmup_steps,
+                         drop_statistics=self.moe.drop_statistics)
 
     def _apply_fp8(self) -> list:
         """--fp8-format: FP8 GEMMs in this rank's transformer blocks (tessera.training.fp8)."""
@@ -236,6 +252,15 @@ class Trainer:
                                 documents=batch.get("documents"), mtp=self._with_mtp)
         return self.losses.micro_batch(losses, batch["loss_mask"], batch.get("documents"))
 
+    def _forward_backward(self, micro_batches: list[Batch], loss_weight: torch.Tensor) -> None:
+        """Every micro-batch's forward and backward pass into freshly zeroed gradients, each
+        micro-batch's objective weighted by `loss_weight` (loss scale / the global batch's tokens)."""
+        self.optimizer.zero_grad()
+        self.losses.begin()
+        for index, batch in enumerate(micro_batches):
+            self.optimizer.set_last_micro_batch(index == len(micro_batches) - 1)
+            (self._forward(batch) * loss_weight).backward()
+
     def _sum_over_data_parallel(self, value: torch.Tensor) -> torch.Tensor:
         group = self.mesh.group("dp_cp")
         if group is not None:
@@ -251,16 +276,16 @@ class Trainer:
         tokens = self._sum_over_data_parallel(sum(b["loss_mask"].sum() for b in micro_batches).float()).clamp(min=1)
         scale = self.loss_scaler.scale
         self.moe.set_loss_scale(scale)
-        self.optimizer.zero_grad()
-        self.losses.begin()
         if self.stragglers is not None:
             self.stragglers.start()
         if self.pipeline is not None:
+            self.optimizer.zero_grad()
+            self.losses.begin()
             self._run_pipeline(self.runner, micro_batches, scale / tokens)
+        elif self.step_graph is not None:
+            self.step_graph.run(micro_batches, scale / tokens)
         else:
-            for index, batch in enumerate(micro_batches):
-                self.optimizer.set_last_micro_batch(index == len(micro_batches) - 1)
-                (self._forward(batch) * (scale / tokens)).backward()
+            self._forward_backward(micro_batches, scale / tokens)
         if self.stragglers is not None:
             self.stragglers.stop()   # before waiting for the other ranks' gradients
         self.optimizer.finish_grad_sync()

@@ -21,3 +21,34 @@ def test_kernels_are_counted_under_their_kind():
         "void at_cuda_detail::cub::detail::radix_sort::DeviceRadixSortOnesweepKernel": "gather/scatter (MoE permutation)",
     }
     assert {name: kind_of(name) for name in names} == names
+
+
+def test_the_host_view_names_the_code_that_kept_the_gpu_waiting(tmp_path, capsys):
+    from profile_step import print_host_view
+
+    def kernel(ts, dur, corr):
+        return {"ph": "X", "cat": "kernel", "name": f"k{corr}", "ts": ts, "dur": dur, "tid": 7,
+                "args": {"correlation": corr}}
+
+    def launch(ts, corr):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 2, "tid": 1,
+                "args": {"correlation": corr}}
+
+    def frame(ts, dur, name):
+        return {"ph": "X", "cat": "python_function", "name": name, "ts": ts, "dur": dur, "tid": 1}
+
+    events = [
+        frame(0, 500, "tessera/training/trainer.py(10): train_step"),
+        frame(5, 10, "tessera/models/moe.py(20): forward"),
+        launch(10, 1), kernel(20, 100, 1),          # queued ahead: the GPU had work
+        launch(30, 2), kernel(120, 50, 2),          # queued ahead, back to back
+        frame(200, 100, "tessera/training/optimizer.py(30): step"),
+        launch(290, 3), kernel(293, 10, 3),         # launched after the GPU ran dry at 170: 123 us idle
+    ]
+    trace = tmp_path / "trace.json"
+    trace.write_text(__import__("json").dumps({"traceEvents": events}))
+    print_host_view(trace, steps=1)
+    out = capsys.readouterr().out
+    assert "1 kernels a step found the GPU idle" in out
+    assert "0.123 ms  x1     optimizer.py(30): step < trainer.py(10): train_step" in out
+    assert "before k3  <- optimizer.py(30): step" in out
