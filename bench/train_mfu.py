@@ -91,7 +91,8 @@ def main() -> None:
     _synchronize(cuda)
     if args.memory_trace and cuda:
         _write_memory_trace(args.memory_trace, trainer.mesh.rank)
-    if cuda:
+    if cuda and trainer.step_graph is None:
+        # A replayed graph allocates nothing: its activations were counted when it was captured.
         torch.cuda.reset_peak_memory_stats()
     static_gib = torch.cuda.memory_allocated() / 2**30 if cuda else 0.0
     if world > 1:

@@ -105,6 +105,12 @@ class RunConfig:
                 "weights on the host's schedule)")
         require(not self.data.reset_attention_mask,
                 f"{flag} does not combine with --reset-attention-mask (document boundaries are read on the host)")
+        if model.num_experts:
+            require(model.moe_grouped_gemm, f"{flag} with --num-experts needs --moe-grouped-gemm (the loop over "
+                    "experts reads their token counts on the host)")
+            require(model.moe_expert_capacity_factor is None or model.moe_pad_expert_input_to_capacity,
+                    f"{flag} with --moe-expert-capacity-factor needs --moe-pad-expert-input-to-capacity (else the "
+                    "number of rows kept changes from step to step)")
 
     @property
     def data_parallel_size(self) -> int:

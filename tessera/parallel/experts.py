@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from tessera.kernels.pair_sum import sum_pairs, sum_pairs_in_torch
 from tessera.parallel.collectives import all_gather_flat
 from tessera.parallel.sharding import rank_and_size
 from tessera.parallel.tensor import all_gather_tokens, reduce_scatter_tokens
@@ -192,7 +193,7 @@ class _CopyToPairs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (inverse,) = ctx.saved_tensors
-        return _sum_per_token(grad, inverse, ctx.per_token), None, None, None
+        return sum_pairs(grad, inverse.view(-1, ctx.per_token)), None, None, None
 
 
 class _SumPairs(torch.autograd.Function):
@@ -202,24 +203,13 @@ class _SumPairs(torch.autograd.Function):
     def forward(ctx, y, order, inverse, per_token):
         ctx.save_for_backward(order)
         ctx.per_token = per_token
-        return _sum_per_token(y, inverse, per_token)
+        return sum_pairs_in_torch(y, inverse.view(-1, per_token))   # torch ops: fused with the residual add
 
     @staticmethod
     def backward(ctx, grad):
         (order,) = ctx.saved_tensors
         pairs = grad.unsqueeze(1).expand(-1, ctx.per_token, -1).reshape(-1, grad.shape[-1])
         return pairs[order], None, None, None
-
-
-def _sum_per_token(rows: torch.Tensor, inverse: torch.Tensor, per_token: int) -> torch.Tensor:
-    """Token t's sum of rows[inverse[t k + j]] over its k pairs j, added in fp32. Written as k
-    gathers added in turn: as an index then a sum over k, inductor made a reduction over a
-    strided axis that ran at ~1 TB/s on an H200 (7.7 ms of config M's step; 2.8 ms so)."""
-    pairs = inverse.view(-1, per_token)
-    total = rows[pairs[:, 0]].float()
-    for j in range(1, per_token):
-        total = total + rows[pairs[:, j]]
-    return total.to(rows.dtype)
 
 
 # -- collectives and index arithmetic ---------------------------------------------------------

@@ -21,8 +21,8 @@ code between steps reads them there, and nothing may swap them for new tensors.
 The same kernels run in the same order as eagerly, so a replayed step computes exactly what
 an eager one does (tests/gpu/test_cuda_graph_cuda.py). What cannot be captured is refused
 when the run is configured (RunConfig: several ranks, dropout, recomputation, delayed FP8
-scaling, FSDP2, packed documents); anything else that makes the host wait for the GPU fails
-the capture with the reason.
+scaling, FSDP2, packed documents, MoE experts in a loop or dropping tokens unpadded); anything
+else that makes the host wait for the GPU fails the capture with the reason.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ def _train(flags, graph: bool):
     ("--model", "tiny-moe", "--moe-grouped-gemm", "--global-batch-size", "2", "--use-distributed-optimizer",
      "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
      "--moe-router-bias-update-rate", "1e-2"),
-    ("--model", "tiny-deepseek", "--global-batch-size", "2", "--use-distributed-optimizer", "--no-compile"),
+    ("--model", "tiny-deepseek", "--moe-grouped-gemm", "--global-batch-size", "2", "--use-distributed-optimizer", "--no-compile"),
 ], ids=["autograd-grads", "main-grad-buffer-2-micro-batches", "torch-adamw", "moe-compiled", "mla-mtp"])
 def test_replayed_steps_compute_what_eager_steps_compute(flags):
     eager, eager_weights, _ = _train(flags, graph=False)

@@ -19,6 +19,9 @@ GRAPH = ["--cuda-graph-impl", "full_iteration", "--hidden-dropout", "0", "--atte
     (["--reset-attention-mask"], 1, "does not combine with --reset-attention-mask"),
     (["--cuda-graph-warmup-steps", "-1"], 1, "--cuda-graph-warmup-steps must be >= 0"),
     ([], 2, "runs on one GPU so far: the collectives of 2 ranks are not captured"),
+    (["--model", "tiny-moe"], 1, "with --num-experts needs --moe-grouped-gemm"),
+    (["--model", "tiny-moe", "--moe-grouped-gemm", "--moe-expert-capacity-factor", "1.5"], 1,
+     "with --moe-expert-capacity-factor needs --moe-pad-expert-input-to-capacity"),
 ])
 def test_what_a_graph_cannot_hold_is_refused_naming_the_flags(flags, world_size, message, capsys):
     with pytest.raises(SystemExit):
