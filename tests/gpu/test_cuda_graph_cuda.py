@@ -2,7 +2,7 @@
 steps compute (the same kernels in the same order): losses every step and weights after them,
 for autograd's gradients, the main-grad buffer of several micro-batches, torch's AdamW, a
 compiled MoE model whose routers count tokens inside the graph (and move their expert biases
-between steps), and MLA with an MTP depth. Run on a GPU machine: `python3 -m pytest tests/gpu -q`."""
+between steps), MLA with an MTP depth, and FP8 (tensorwise with FP8 experts, blockwise). Run on a GPU machine: `python3 -m pytest tests/gpu -q`."""
 
 import pytest
 import torch
@@ -32,7 +32,12 @@ def _train(flags, graph: bool):
      "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
      "--moe-router-bias-update-rate", "1e-2"),
     ("--model", "tiny-deepseek", "--moe-grouped-gemm", "--global-batch-size", "2", "--use-distributed-optimizer", "--no-compile"),
-], ids=["autograd-grads", "main-grad-buffer-2-micro-batches", "torch-adamw", "moe-compiled", "mla-mtp"])
+    ("--model", "tiny-moe", "--moe-grouped-gemm", "--global-batch-size", "2", "--use-distributed-optimizer",
+     "--no-compile", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-experts"),
+    ("--model", "tiny-llama", "--global-batch-size", "2", "--use-distributed-optimizer", "--no-compile",
+     "--fp8-format", "e4m3", "--fp8-recipe", "blockwise"),
+], ids=["autograd-grads", "main-grad-buffer-2-micro-batches", "torch-adamw", "moe-compiled", "mla-mtp",
+        "fp8-tensorwise-moe", "fp8-blockwise"])
 def test_replayed_steps_compute_what_eager_steps_compute(flags):
     eager, eager_weights, _ = _train(flags, graph=False)
     graphed, graphed_weights, trainer = _train(flags, graph=True)
