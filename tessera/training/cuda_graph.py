@@ -72,6 +72,9 @@ class StepGraph:
             self.forward_backward(self.batches, self.loss_weight)
         torch.cuda.current_stream().wait_stream(side)
         self.drop_statistics()
+        # The eager passes' activations sit in the allocator's cache, where the graph's private
+        # pool cannot reuse them: give them back first, or the activations are held twice.
+        torch.cuda.empty_cache()
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
@@ -80,9 +83,6 @@ class StepGraph:
             raise RuntimeError(f"{FLAG}: the training step could not be captured (something in it waits for "
                                f"the GPU or changes shape between steps): {error}") from error
         self.graph = graph
-        # The eager steps' activations sit in the allocator's cache, beside the graph's own pool
-        # holding them again: give the cached blocks back (config M: 61.7 -> ~54 GiB reserved).
-        torch.cuda.empty_cache()
 
     def _copy_in(self, micro_batches: list[Batch], loss_weight: torch.Tensor) -> None:
         if len(micro_batches) != len(self.batches):
