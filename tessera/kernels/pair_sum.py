@@ -40,14 +40,12 @@ def sum_pairs_in_torch(rows: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("tessera::sum_pairs", mutates_args=())
 def sum_pairs(rows: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
     """out[t] = the fp32 sum of rows[pairs[t, j]] over j in order, in rows' dtype."""
-    if triton is None or not rows.is_cuda or not rows.numel():
+    if triton is None or not rows.is_cuda or not rows.numel() or not pairs.numel():
         return sum_pairs_in_torch(rows, pairs)
     rows, pairs = rows.contiguous(), pairs.contiguous()
     tokens, width = pairs.shape[0], rows.shape[1]
     out = rows.new_empty(tokens, width)
-    if tokens:
-        _sum_pairs_kernel[(tokens, triton.cdiv(width, BLOCK))](rows, pairs, out, width, K=pairs.shape[1],
-                                                               BLOCK=BLOCK)
+    _sum_pairs_kernel[(tokens, triton.cdiv(width, BLOCK))](rows, pairs, out, width, K=pairs.shape[1], BLOCK=BLOCK)
     return out
 
 

@@ -10,11 +10,10 @@ host queues it, and the next step's copies and replay, while the GPU runs the gr
 After --cuda-graph-warmup-steps eager steps (blocks compiled, kernels tuned), the step's
 micro-batches are copied into buffers of the graph's own, one eager pass runs on a side
 stream (so that per-stream state such as cuBLAS workspaces exists before the capture), its
-statistics are dropped, then the step is captured and replayed. The activations then live in
-the graph's private memory pool (torch.cuda.max_memory_allocated no longer sees them: compare
-reserved memory). Every later step copies its
+statistics are dropped, then the step is captured and replayed. Every later step copies its
 micro-batches and its loss weight (loss scale / the batch's tokens) into those buffers and
-replays. What the graph writes stays at the addresses of the capture: the gradients
+replays. The activations live in the graph's private memory pool, allocated at the capture: a
+replay allocates nothing (torch.cuda.max_memory_allocated counts them only from the capture). What the graph writes stays at the addresses of the capture: the gradients
 (autograd's, or the main-grad buffers), the loss sums, the routers' token counts; the eager
 code between steps reads them there, and nothing may swap them for new tensors.
 
@@ -60,10 +59,6 @@ class StepGraph:
         self.graph.replay()
 
     def _capture(self, micro_batches: list[Batch], loss_weight: torch.Tensor) -> None:
-        for batch in micro_batches:
-            if "documents" in batch:
-                raise RuntimeError(f"{FLAG}: packed documents' boundaries are read on the host; they cannot be "
-                                   "captured")
         self.batches = [{key: value.clone() for key, value in batch.items()} for batch in micro_batches]
         self.loss_weight = loss_weight.detach().clone()
         side = torch.cuda.Stream()
