@@ -157,9 +157,10 @@ def _precision(layout: Layout, model: ModelConfig) -> str:
     fp8 = sum(layout.fp8_layers(model.num_layers))
     wgrad = ", weight gradients in bf16" if layout.no_fp8_wgrad else ""
     experts = " (and their experts, scaled per row)" if layout.fp8_experts and model.num_experts else ""
+    gather = ", their weights all-gathered in E4M3" if layout.fp8_param_gather else ""
     return (f"precision: FP8 {layout.fp8_format} {layout.fp8_recipe} GEMMs in the linears of {fp8} of "
-            f"{model.num_layers} layers{experts}{wgrad}; attention, norms, the rest of the layers and the output "
-            f"layer in bf16")
+            f"{model.num_layers} layers{experts}{wgrad}{gather}; attention, norms, the rest of the layers and the "
+            f"output layer in bf16")
 
 
 def _print_breakdown(prediction: Prediction, capacity: float) -> None:

@@ -53,6 +53,11 @@ class RunConfig:
         # The chunked GEMMs run outside Fp8Linear's scaling and FP8 backward.
         require(not (parallel.tp_comm_overlap and train.fp8_format),
                 "--tp-comm-overlap with --fp8-format is not supported")
+        # The weights' E4M3 copies are cast by the distributed optimizer, slice by slice (FSDP2
+        # would need them as DTensor subclasses that cast themselves before its all-gather).
+        require(not train.fp8_param_gather or parallel.use_distributed_optimizer,
+                "--fp8-param-gather needs --use-distributed-optimizer" + (
+                    " (with --use-torch-fsdp2 the weights are gathered in bf16)" if parallel.use_torch_fsdp2 else ""))
         # As Megatron: the moments' dtypes are the distributed optimizer's (its own AdamW kernel).
         require(not self.optim.use_precision_aware_optimizer or parallel.use_distributed_optimizer,
                 "--use-precision-aware-optimizer needs --use-distributed-optimizer")

@@ -83,7 +83,8 @@ class TrainConfig:
     no_fp8_wgrad: bool = option(False, "compute the weight gradients in bf16, not FP8", group=FP8)
     fp8_experts: bool = option(False, "the MoE experts' grouped GEMMs in FP8 too, scaled per row: faster for "
                                "coarse experts, slower for fine-grained ones (docs/moe.md)", group=FP8)
-    fp8_param_gather: bool = option(False, "all-gather FP8 weights (distributed optimizer / FSDP2)", group=FP8)
+    fp8_param_gather: bool = option(False, "the distributed optimizer all-gathers the FP8 linears' weights in FP8 "
+                                    "(half the bytes) and the layers read them instead of casting", group=FP8)
     recompute_granularity: str | None = option(None, "activation recomputation", ("full", "selective"))
     recompute_method: str | None = option(None, "which layers --recompute-granularity full recomputes", ("uniform", "block"))
     recompute_num_layers: int | None = option(None, "layers per recompute chunk (uniform) or recomputed layers (block)")
@@ -131,6 +132,7 @@ class TrainConfig:
     def _check_fp8(self) -> None:
         if self.fp8_format is None:
             require(not self.fp8_experts, "--fp8-experts needs --fp8-format")
+            require(not self.fp8_param_gather, "--fp8-param-gather needs --fp8-format")
             return
         require(self.bf16, "--fp8-format needs --bf16 (the FP8 GEMMs read and return bf16)")
         require(self.fp8_recipe != "mxfp8", "--fp8-recipe mxfp8 needs a Blackwell GPU (MXFP8 tensor cores); "
@@ -142,7 +144,6 @@ class TrainConfig:
         require(self.fp8_margin >= 0 and self.num_layers_at_start_in_bf16 >= 0 and self.num_layers_at_end_in_bf16 >= 0,
                 "--fp8-margin and --num-layers-at-start/end-in-bf16 must be >= 0")
         positive(self, "fp8_amax_history_len")
-        require(not self.fp8_param_gather, "--fp8-param-gather: not implemented yet (weights are gathered in bf16)")
 
     @property
     def dtype_name(self) -> str:

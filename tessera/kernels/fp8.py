@@ -73,7 +73,29 @@ def linear_by(matmul: type[torch.autograd.Function], layer: nn.Module, x: torch.
     return y if bias is None else y + bias.to(y.dtype)
 
 
-class Fp8Linear(nn.Module):
+class Fp8Gemm(nn.Module):
+    """What the FP8 GEMM modules share: with --fp8-param-gather, the weight's E4M3 copy that the
+    distributed optimizer gathers (tessera.parallel.fp8_gather), read instead of casting the weight.
+
+    A subclass says how its weights are scaled: `weight_block` (None: one scale for the whole
+    tensor, else square blocks of that size) and `weight_scales`, the scales of many weights
+    from their whole amaxes, and the form its GEMMs take them in (`weight_fp8_scale`).
+    """
+
+    weight_block: int | None = None
+
+    def __init__(self):
+        super().__init__()
+        # Views of the optimizer's buffers, refreshed in place every step (no state_dict entry).
+        self.register_buffer("weight_fp8", None, persistent=False)
+        self.register_buffer("weight_fp8_scale", None, persistent=False)
+
+    def attach_fp8_weight(self, data: torch.Tensor, scale: torch.Tensor) -> None:
+        """Read the weight from `data` (E4M3, the weight's shape) and its scales from `scale`."""
+        self.weight_fp8, self.weight_fp8_scale = data, scale
+
+
+class Fp8Linear(Fp8Gemm):
     """The FP8 GEMM of one linear layer: `fp8(x, weight, bias)` in place of F.linear.
 
     Holds the delayed-scaling state (amax history and scales of input, weight and output
@@ -107,6 +129,30 @@ class Fp8Linear(nn.Module):
         recorded = getattr(self, f"{ROLES[role]}_amax")
         recorded.copy_(torch.maximum(recorded, current))
         return self.scales[role] if self.calibrated else scale_for(current, dtype, self.recipe.margin)
+
+    @staticmethod
+    def weight_scales(layers: list["Fp8Linear"], amaxes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scales of the layers' gathered weights from their whole amaxes (one each), as cast
+        with and as stored. Delayed scaling takes the history's scale, once it has one, and counts
+        the amax as the step's weight amax: the weight cast last is the one the layer reads."""
+        recipe = layers[0].recipe
+        if recipe.recipe != "delayed":
+            scales = scale_for(amaxes, E4M3)
+            return scales, scales
+        torch._foreach_copy_([layer.weight_amax for layer in layers], list(amaxes.unbind()))
+        scales = torch.stack([layer.scales[WEIGHT] if layer.calibrated else scale_for(amax, E4M3, recipe.margin)
+                              for layer, amax in zip(layers, amaxes.unbind())])
+        return scales, scales
+
+    def quantized_weight(self, weight: torch.Tensor, scale: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weight in E4M3 and its scale: the gathered copy with --fp8-param-gather, else cast now
+        (in the backward with the forward's scale, giving the forward's bits)."""
+        if self.weight_fp8 is not None:
+            return self.weight_fp8, self.weight_fp8_scale.reshape(())
+        if scale is None:
+            scale = self.scale(WEIGHT, weight, E4M3)
+        return quantize(weight, scale, E4M3), scale
 
     @property
     def step_amax(self) -> torch.Tensor:
@@ -154,12 +200,13 @@ class _Fp8Matmul(torch.autograd.Function):
     their FP8 copies: the weight is held anyway, and under torch.compile the input is either
     held by its neighbour (attention's output) or recomputed from what is (a norm's input), so
     FP8 adds no activation memory. Their transposed FP8 copies, which the backward GEMMs need
-    in any case, are cast again with the forward's scales: the same bits as the forward's."""
+    in any case, are cast again with the forward's scales: the same bits as the forward's
+    (with --fp8-param-gather the weight's is the gathered copy, transposed)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, layer: Fp8Linear, out_dtype: torch.dtype):
-        x_scale, w_scale = layer.scale(INPUT, x, E4M3), layer.scale(WEIGHT, weight, E4M3)
-        x8, w8 = quantize(x, x_scale, E4M3), quantize(weight, w_scale, E4M3)
+        x_scale = layer.scale(INPUT, x, E4M3)
+        x8, (w8, w_scale) = quantize(x, x_scale, E4M3), layer.quantized_weight(weight)
         y = torch._scaled_mm(x8, w8.t(), 1 / x_scale, 1 / w_scale, out_dtype=out_dtype, use_fast_accum=True)
         ctx.save_for_backward(x, weight, x_scale, w_scale)
         ctx.layer, ctx.out_dtype = layer, out_dtype
@@ -173,7 +220,7 @@ class _Fp8Matmul(torch.autograd.Function):
         g_scale = layer.scale(GRAD, grad, grad_dtype)
         g8 = quantize(grad, g_scale, grad_dtype)
         # dgrad and wgrad accumulate in full precision (no fast accumulation), as TE does.
-        w8 = _column_major(quantize(weight, w_scale, E4M3))
+        w8 = _column_major(layer.quantized_weight(weight, w_scale)[0])
         grad_x = torch._scaled_mm(g8, w8, 1 / g_scale, 1 / w_scale, out_dtype=out_dtype)
         if layer.recipe.fp8_wgrad:
             # Straight into the weight's dtype (the GEMM accumulates in fp32 and rounds once): an fp32

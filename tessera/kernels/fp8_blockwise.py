@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.kernels.fp8 import E4M3, Fp8Recipe, linear_by, quantize, scale_for
+from tessera.kernels.fp8 import E4M3, Fp8Gemm, Fp8Recipe, linear_by, quantize, scale_for
 
 BLOCK = 128
 _EXPONENT_BITS = 0x7F800000   # of an fp32: keeping only them rounds a positive normal number down to a power of 2
@@ -98,9 +98,12 @@ def blockwise_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_
     return gemm(a, a_scale_inv, b, b_scale_inv, out_dtype)
 
 
-class BlockwiseFp8Linear(nn.Module):
+class BlockwiseFp8Linear(Fp8Gemm):
     """The blockwise FP8 GEMM of one linear layer: `fp8(x, weight, bias)` in place of F.linear. No state:
-    every scale comes from the tensor being cast, now."""
+    every scale comes from the tensor being cast, now (with --fp8-param-gather the weight's from the
+    whole weight's blocks as the optimizer gathered it: `weight_fp8_scale` holds their inverses)."""
+
+    weight_block = BLOCK
 
     def __init__(self, recipe: Fp8Recipe):
         super().__init__()
@@ -109,22 +112,37 @@ class BlockwiseFp8Linear(nn.Module):
     def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return linear_by(_BlockwiseMatmul, self, x, weight, bias)
 
+    @staticmethod
+    def weight_scales(layers: list["BlockwiseFp8Linear"], amaxes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every block's scale from its amax: as cast with, and stored as the GEMMs take them (inverted)."""
+        scales = power_of_2_scale(amaxes)
+        return scales, scales.reciprocal()
+
+    def quantized_weight(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weight's E4M3 blocks and their inverse scales: gathered, or cast now."""
+        if self.weight_fp8 is not None:
+            return self.weight_fp8, self.weight_fp8_scale
+        return quantize_blocks(weight)
+
 
 class _BlockwiseMatmul(torch.autograd.Function):
     """The three blockwise GEMMs. As the tensorwise recipe's, the backward saves the high-precision
     input and weight (held anyway, or recomputed under torch.compile) and casts again: the weight's
-    blocks give the forward's bits, and the tokens-wise tiles of wgrad need the high-precision input."""
+    blocks give the forward's bits (dgrad takes them transposed: a block of W^T holds the same
+    values), and the tokens-wise tiles of wgrad need the high-precision input."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, layer: BlockwiseFp8Linear, out_dtype: torch.dtype):
         ctx.save_for_backward(x, weight)
         ctx.fp8_wgrad, ctx.out_dtype = layer.recipe.fp8_wgrad, out_dtype
-        return blockwise_mm(*quantize_tiles(x), *quantize_blocks(weight), out_dtype)
+        ctx.layer = layer
+        return blockwise_mm(*quantize_tiles(x), *layer.quantized_weight(weight), out_dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
-        grad_x = blockwise_mm(*quantize_tiles(grad), *quantize_blocks(weight.t()), ctx.out_dtype)
+        w8, w_scale_inv = ctx.layer.quantized_weight(weight)
+        grad_x = blockwise_mm(*quantize_tiles(grad), w8.t(), w_scale_inv.t(), ctx.out_dtype)
         if ctx.fp8_wgrad:   # straight into the weight's dtype, as the tensorwise recipe's
             grad_w = blockwise_mm(*quantize_tiles(grad.t()), *quantize_tiles(x.t()), weight.dtype)
         else:

@@ -42,16 +42,21 @@ def _by_foreach_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
 _programs: dict[tuple[int, ...], torch.Tensor] = {}   # by the tensors' sizes, which repeat every step
 
 
+def chunk_programs(sizes: list[int] | tuple[int, ...], chunk: int) -> torch.Tensor:
+    """The programs of a launch over many tensors, `chunk` elements each: row 0 which tensor (a
+    row of the address table), row 1 which chunk of it."""
+    chunks = torch.tensor([-(-n // chunk) for n in sizes], dtype=torch.int64)
+    owner = torch.repeat_interleave(torch.arange(len(sizes)), chunks)
+    first = torch.arange(len(owner)) - torch.repeat_interleave(chunks.cumsum(0) - chunks, chunks)
+    return torch.stack([owner, first])
+
+
 def _one_launch(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     sizes = tuple(t.numel() for t in tensors)
     if sizes not in _programs:
         if len(_programs) >= 8:
             _programs.clear()
-        chunks = torch.tensor([triton.cdiv(n, CHUNK) for n in sizes])
-        # Per program: which tensor (a row of the address table) and which chunk of it.
-        owner = torch.repeat_interleave(torch.arange(len(sizes)), chunks)
-        first = torch.arange(len(owner)) - torch.repeat_interleave(chunks.cumsum(0) - chunks, chunks)
-        _programs[sizes] = torch.stack([owner, first]).to(device=device, dtype=torch.int32)
+        _programs[sizes] = chunk_programs(sizes, CHUNK).to(device=device, dtype=torch.int32)
     programs = _programs[sizes]
     # Gradients move between steps (the allocator's order varies), so their addresses are
     # sent every step, from pinned memory: no wait for the GPU.

@@ -17,7 +17,8 @@ weights being the upper ones (tessera.kernels.adamw.split_master); in fp32 runs 
 are their own masters.
 
 With --overlap-param-gather the all-gathers start right after the step, and each module
-waits for its bucket only when the next forward reaches it.
+waits for its bucket only when the next forward reaches it. With --fp8-param-gather the
+buffers of FP8 linears' weights are gathered in E4M3 (tessera.parallel.fp8_gather).
 """
 
 from __future__ import annotations
@@ -29,13 +30,16 @@ from tessera.config import OptimConfig
 from tessera.kernels.adamw import MasterAdamW, join_master, split_master
 from tessera.parallel.collectives import all_gather_flat
 from tessera.parallel.ddp import GradBuffer
+from tessera.parallel.fp8_gather import Fp8Weights
 
 
 class DistributedOptimizer:
     def __init__(self, model: nn.Module, buffers: list[GradBuffer], optim: OptimConfig, *,
                  param_dtype: torch.dtype = torch.float32, overlap_param_gather: bool = False,
                  moment_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32),
-                 master_remainders: bool = False):
+                 master_remainders: bool = False, fp8_layers: dict[nn.Parameter, nn.Module] | None = None):
+        """`fp8_layers` (--fp8-param-gather): the FP8 GEMM module of every weight gathered in E4M3;
+        a buffer holds either only such weights or none."""
         self.buffers = buffers
         self.overlap_param_gather = overlap_param_gather
         device = next(iter(buffers[0].ranges)).device
@@ -82,9 +86,28 @@ class DistributedOptimizer:
             models={master: view for master, view, _, _ in self._masters if master is not view},
             moment_dtypes=moment_dtypes, lr=optim.lr, betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps,
         )
+        self.fp8: list[Fp8Weights | None] = [self._fp8_weights(grads, fp8_layers or {}) for grads in buffers]
         self._gathers: dict[tuple[int, int], object] = {}   # (buffer, bucket) -> all-gather in flight
+        # Every buffer's buckets in the order the forward pass needs them: by their first parameter
+        # in the model's order (each buffer lays the earliest layers out last).
+        position = {param: i for i, param in enumerate(model.parameters())}
+        self._gather_order = sorted(((which, index) for which, grads in enumerate(buffers)
+                                     for index in range(len(grads.buckets))),
+                                    key=lambda b: min(position[p] for p in buffers[b[0]].buckets[b[1]].params))
+        if any(self.fp8):   # the first forward reads the E4M3 weights (the bf16 ones are whole already)
+            self._start_gathers(fp8_only=True)
+            self.wait_all()
         if overlap_param_gather:
             self._install_wait_hooks(model)
+
+    def _fp8_weights(self, grads: GradBuffer, fp8_layers: dict[nn.Parameter, nn.Module]) -> Fp8Weights | None:
+        fp8 = [param in fp8_layers for param in grads.ranges]
+        if not any(fp8):
+            return None
+        if not all(fp8):
+            raise ValueError("a gradient buffer mixes FP8 linears' weights with others (--fp8-param-gather)")
+        owned = [(view, param, offset) for _, view, param, offset in self._masters if param in grads.ranges]
+        return Fp8Weights(grads, fp8_layers, owned)
 
     @property
     def param_groups(self):
@@ -156,20 +179,38 @@ class DistributedOptimizer:
         if not self.overlap_param_gather:
             self.wait_all()
 
-    def _start_gathers(self) -> None:
-        for which, (grads, weights) in enumerate(zip(self.buffers, self.params)):
+    def _start_gathers(self, fp8_only: bool = False) -> None:
+        buffers = [which for which, fp8 in enumerate(self.fp8) if fp8 is not None or not fp8_only]
+        for which in buffers:
+            if self.fp8[which] is not None:
+                self.fp8[which].quantize()
+        self._gather([(which, index) for which, index in self._gather_order if which in buffers],
+                     [self.params[which] if self.fp8[which] is None else self.fp8[which].data
+                      for which in range(len(self.buffers))])
+
+    def _gather(self, buckets: list[tuple[int, int]], sources: list[torch.Tensor]) -> None:
+        """Start the all-gathers of these (buffer, bucket)s, each buffer's from its source (the bf16
+        weights or their E4M3 copy, laid out alike)."""
+        for which, index in buckets:
+            grads, weights = self.buffers[which], sources[which]
             if grads.group is None:
                 continue
-            # Last bucket first: the forward pass needs the earliest layers, laid out last.
-            for index in reversed(range(len(grads.buckets))):
-                bucket = grads.buckets[index]
-                start, end = grads.shard_range(bucket)
-                self._gathers[which, index] = all_gather_flat(
-                    weights[bucket.start:bucket.end], weights[start:end].clone(), group=grads.group, async_op=True)
+            bucket = grads.buckets[index]
+            start, end = grads.shard_range(bucket)
+            self._gathers[which, index] = all_gather_flat(
+                weights[bucket.start:bucket.end], weights[start:end].clone(), group=grads.group, async_op=True)
 
     def wait_all(self) -> None:
         for index in list(self._gathers):
             self._gathers.pop(index).wait()
+
+    def gather_model_weights(self) -> None:
+        """Every rank's whole bf16 weights: those gathered in E4M3 are current only in the slices
+        a rank owns until this all-gathers them (for whatever reads weights other than the FP8 GEMMs)."""
+        self.wait_all()
+        self._gather([(which, index) for which, index in self._gather_order if self.fp8[which] is not None],
+                     self.params)
+        self.wait_all()
 
     def _install_wait_hooks(self, model: nn.Module) -> None:
         """Before each top-level unit (a block, the embedding, ...) runs, wait for its buckets."""

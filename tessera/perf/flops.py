@@ -83,7 +83,7 @@ def _mlp_params(config: ModelConfig, ffn: int) -> int:
     return (gate + 1) * config.hidden_size * ffn + (gate * ffn + config.hidden_size) * config.add_bias_linear
 
 
-def _attention_projections(config: ModelConfig) -> list[tuple[int, int]]:
+def attention_projections(config: ModelConfig) -> list[tuple[int, int]]:
     """(in, out) features of each projection of one attention block, once per token."""
     h, n = config.hidden_size, config.num_attention_heads
     if not config.multi_latent_attention:
@@ -96,7 +96,7 @@ def _attention_projections(config: ModelConfig) -> list[tuple[int, int]]:
 
 
 def _attention_params(config: ModelConfig) -> int:
-    projections = _attention_projections(config)
+    projections = attention_projections(config)
     weights = sum(i * o for i, o in projections)
     if config.multi_latent_attention:   # every projection may carry a bias; the latents' norms
         biases = sum(o for _, o in projections) * config.add_bias_linear
@@ -166,7 +166,7 @@ def flops_per_token(config: ModelConfig, seq_length: int | None = None, vocab_si
     s = seq_length if seq_length is not None else config.seq_length
     vocab = vocab_size if vocab_size is not None else config.padded_vocab_size()
     gated = 3 if config.swiglu else 2
-    projections = sum(i * o for i, o in _attention_projections(config))
+    projections = sum(i * o for i, o in attention_projections(config))
     mtp = depths * (3 * h + 2 * h * h)   # Megatron's count of the depths' norms and projections
     linear = layers * projections + gated * h * sum(_mlp_widths(config)) + mtp + h * vocab * (1 + depths)
     attention = layers * _core_attention_width(config) * s * (1 if causal else 2)

@@ -30,6 +30,10 @@ copies. So, in bytes per element (bf16 activations, weights of `w` bytes):
                           the rows scattered into a zeroed buffer and gathered back, 10 bytes an
                           element of the input and output forward, 8 backward
 
+With --fp8-param-gather the linears read the weight's E4M3 copy the optimizer gathered (its cast
+is counted with the optimizer step): no weight term forward, and backward only the copy's
+transpose (2).
+
 Without FP8 wgrad (--no-fp8-wgrad) that GEMM runs at the bf16 rate and its casts are skipped.
 Delayed scaling still reads each tensor for its amax (it records it for the next step), so it
 moves the bytes tensorwise does. Each pass is counted as its own kernel: where torch.compile
@@ -61,12 +65,13 @@ def quantisation_bytes(layout: Layout, x: float, weight: float, grad: float) -> 
     """HBM bytes of one FP8 linear's quantisation passes (forward, backward) for `x`, `weight` and
     `grad` elements of its input, weight and output gradient."""
     w = residual_bytes(layout)   # the weights' bytes per element
-    forward = 5 * x + (2 * w + 1) * weight
+    gathered = layout.fp8_param_gather   # the weight arrives in E4M3
+    forward = 5 * x + (0 if gathered else 2 * w + 1) * weight
     wgrad = not layout.no_fp8_wgrad
     if layout.fp8_recipe == "blockwise":
-        backward = 5 * grad + (4 * w + 1) * weight + wgrad * 9 * (grad + x)
+        backward = 5 * grad + (2 if gathered else 4 * w + 1) * weight + wgrad * 9 * (grad + x)
     else:
-        backward = 5 * grad + (w + 3) * weight + wgrad * (2 * grad + 5 * x)
+        backward = 5 * grad + (2 if gathered else w + 3) * weight + wgrad * (2 * grad + 5 * x)
     return forward, backward
 
 

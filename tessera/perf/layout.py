@@ -20,7 +20,7 @@ DISPATCHERS = ("allgather", "alltoall")
 # `tessera train`'s FP8 and precision-aware optimizer settings (tessera.config.training), which
 # Layout carries under the same names.
 FP8_FIELDS = ("fp8_format", "fp8_recipe", "first_last_layers_bf16", "num_layers_at_start_in_bf16",
-              "num_layers_at_end_in_bf16", "no_fp8_wgrad", "fp8_experts")
+              "num_layers_at_end_in_bf16", "no_fp8_wgrad", "fp8_experts", "fp8_param_gather")
 MOMENT_FIELDS = ("exp_avg_dtype", "exp_avg_sq_dtype")
 
 
@@ -59,6 +59,7 @@ class Layout:
     num_layers_at_end_in_bf16: int = TrainConfig.num_layers_at_end_in_bf16       # --num-layers-at-end-in-bf16
     no_fp8_wgrad: bool = False                                           # --no-fp8-wgrad
     fp8_experts: bool = False                                            # --fp8-experts
+    fp8_param_gather: bool = False                                       # --fp8-param-gather
 
     @property
     def moment_bytes(self) -> float:
@@ -203,6 +204,8 @@ class Layout:
             flags.append("--no-fp8-wgrad")
         if self.fp8_format and self.fp8_experts:
             flags.append("--fp8-experts")
+        if self.fp8_format and self.fp8_param_gather:
+            flags.append("--fp8-param-gather")
         return flags
 
 
@@ -230,8 +233,11 @@ def check_layout(model: ModelConfig, layout: Layout, global_batch_size: int, seq
             f"--global-batch-size ({global_batch_size}) must be divisible by --micro-batch-size "
             f"({layout.micro_batch_size}) x data-parallel size ({layout.dp}) = {per_step}")
     _check_experts(model, layout)
-    if layout.fp8_format is not None:   # tessera train's own FP8 checks, in its words
+    if layout.fp8_format is not None or layout.fp8_param_gather:   # tessera train's own FP8 checks, in its words
         TrainConfig(train_iters=1, bf16=True, **{name: getattr(layout, name) for name in FP8_FIELDS})
+    # The E4M3 copies are cast and gathered by the distributed optimizer (tessera.parallel.fp8_gather).
+    require(not layout.fp8_param_gather or layout.distributed_optimizer,
+            "--fp8-param-gather needs --use-distributed-optimizer")
     if vp > 1:
         micro_batches = layout.num_micro_batches(global_batch_size)
         require(micro_batches % pp == 0,

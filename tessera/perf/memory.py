@@ -12,7 +12,9 @@ Two trainers are modelled (`Layout.framework`), each checked against measured pe
   data-parallel bucket buffer, several micro-batches, or a pipeline's interleaved
   backwards; one micro-batch on one GPU peaks at the end of forward with none. Measured on
   one and two H200s (docs/scaling.md, "Calibration"): bench/train_mfu.py --memory-trace
-  charges every live block at the peak to the line that allocated it.
+  charges every live block at the peak to the line that allocated it. With
+  --fp8-param-gather the FP8 linears' weights also keep the E4M3 copy (1) that the
+  distributed optimizer gathers into.
 
 Activations follow Korthikanti et al. 2022 ("Reducing activation recomputation"), term by
 term, so GQA, SwiGLU, dropout and fused attention change the right terms. Per layer and
@@ -63,7 +65,7 @@ from dataclasses import dataclass, fields, replace
 from typing import NamedTuple
 
 from tessera.config import ModelConfig
-from tessera.perf.flops import LayerParameters, count_parameters, layer_parameters
+from tessera.perf.flops import LayerParameters, attention_projections, count_parameters, layer_parameters
 from tessera.perf.layout import Layout
 
 GIB = 2**30
@@ -244,6 +246,7 @@ class StageParameters(NamedTuple):
 
     dense: float     # sharded by TP, replicated over DP x CP
     experts: float   # routed experts: sharded by EP x ETP, replicated over EDP
+    fp8_linears: float = 0.0   # of `dense`, the weights of the linears that run in FP8
 
     @property
     def total(self) -> float:
@@ -255,13 +258,16 @@ def stage_parameters(model: ModelConfig, layout: Layout, vocab_size: int, pp_ran
     h = model.hidden_size
     first, last = pp_rank == 0, pp_rank == layout.pp - 1
     every_layer = layer_parameters(model)
-    layers = [every_layer[i] for i in layout.rank_layers(model.num_layers)[pp_rank]]
+    indices = layout.rank_layers(model.num_layers)[pp_rank]
+    layers = [every_layer[i] for i in indices]
     params = sum(layer.dense for layer in layers) / layout.tp
     word_embedding = vocab_size * h / layout.tp
     positions = model.max_position_embeddings * h if model.position_embedding_type == "learned_absolute" else 0
     if first:
         params += word_embedding + positions
     experts = sum(layer.experts for layer in layers)
+    fp8, moe = layout.fp8_layers(model.num_layers), model.moe_layers()
+    fp8_linears = sum(fp8_linear_weights(model, moe[i]) for i in indices if fp8[i]) / layout.tp
     if last:
         params += h * (2 if model.normalization == "LayerNorm" else 1)
         if not model.tie_embeddings:
@@ -270,7 +276,22 @@ def stage_parameters(model: ModelConfig, layout: Layout, vocab_size: int, pp_ran
             params += word_embedding   # this stage's copy of the word embedding (tied output layer, MTP input)
         mtp = mtp_parameters(model)
         params, experts = params + mtp.dense / layout.tp, experts + mtp.experts
-    return StageParameters(params, experts / (layout.ep * layout.expert_tp))
+    return StageParameters(params, experts / (layout.ep * layout.expert_tp), fp8_linears)
+
+
+def fp8_linear_weights(model: ModelConfig, moe: bool = False) -> int:
+    """Weight elements of a layer's linears that run in FP8 (tessera.perf.fp8), before TP shards
+    them: its tensor-parallel ones, attention's projections (not MLA's replicated down projections
+    to the latents) and the dense MLP or shared expert. Their biases stay bf16."""
+    h = model.hidden_size
+    projections = attention_projections(model)
+    if model.multi_latent_attention:
+        latents = [model.kv_lora_rank + model.qk_pos_emb_head_dim] + ([model.q_lora_rank] if model.q_lora_rank else [])
+        for width in latents:
+            projections.remove((h, width))
+    ffn = (model.moe_shared_expert_intermediate_size or 0) if moe else model.ffn_hidden_size
+    gated = 2 if model.swiglu else 1
+    return sum(i * o for i, o in projections) + (gated + 1) * h * ffn
 
 
 def mtp_parameters(model: ModelConfig) -> LayerParameters:
@@ -297,6 +318,8 @@ def _stage_memory(model: ModelConfig, layout: Layout, global_batch_size: int, se
     dense_bytes = _state_bytes_per_parameter(layout, num_micro_batches, layout.dp * layout.cp)
     expert_bytes = _state_bytes_per_parameter(layout, num_micro_batches, layout.edp)
     weights, gradients, optimizer = (d * params.dense + e * params.experts for d, e in zip(dense_bytes, expert_bytes))
+    if layout.fp8_param_gather:   # the E4M3 copy the optimizer gathers into, beside the bf16 weights
+        weights += params.fp8_linears
     moe = model.moe_layers()
     layers = layout.rank_layers(model.num_layers)[pp_rank]
     buffers = 0.0

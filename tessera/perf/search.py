@@ -91,7 +91,9 @@ def candidates(model: ModelConfig, gpus: int, gpus_per_node: int, global_batch_s
                             last_stage_layers=last if pp > 1 else None,
                             sequence_parallel=tp > 1, tp_comm_overlap=space.tp_comm_overlap and tp > 1,
                             overlap_p2p_communication=space.overlap_p2p_communication and pp > 1,
-                            distributed_optimizer=dp * cp > 1 or tp * cp * dp > ep * (etp or tp),  # or EDP > 1
+                            # with replicas to shard over (DP x CP or EDP > 1), or for the FP8 gather's cast
+                            distributed_optimizer=dp * cp > 1 or tp * cp * dp > ep * (etp or tp)
+                            or bool((space.fp8 or {}).get("fp8_param_gather")),
                             compiled=space.compiled, framework=space.framework, **(space.fp8 or {}),
                             **(space.moments or {}))
             try:

@@ -24,9 +24,11 @@ The step is built from what each GPU does, as Megatron-LM schedules it:
 3. Gradients are reduce-scattered (distributed optimizer), all-reduced (DDP) or
    reduce-scattered per layer (FSDP) over data x context parallel (the routed experts'
    over expert data parallel, after the dense ones), in fp32; parameters are all-gathered
-   in bf16. With overlap only what the last micro-batch's backward (or the
-   first's forward, for the gather) cannot cover is exposed, and never less than one
-   bucket. Then the optimizer step reads and writes its shard at HBM speed.
+   in bf16, but the FP8 linears' weights in E4M3 with --fp8-param-gather (each rank casts
+   its slice after the step; the scales' small all-reduce is not counted). With overlap
+   only what the last micro-batch's backward (or the first's forward, for the gather)
+   cannot cover is exposed, and never less than one bucket. Then the optimizer step reads
+   and writes its shard at HBM speed.
 
 Model FLOPs (for MFU) are Megatron's formula; the time is for the work really done
 (causal attention skips half the scores, recomputation is extra).
@@ -57,6 +59,10 @@ OPTIMIZER_BYTES_PER_PARAM = 34.0
 # transpose back (2+2) = 18.
 CROSS_ENTROPY_BYTES = (42.0, 18.0)
 GRAD_BYTES, PARAM_GATHER_BYTES = 4.0, 2.0  # fp32 gradient reduction, bf16 parameter gather
+FP8_GATHER_BYTES = 1.0   # --fp8-param-gather: the FP8 linears' weights gathered in E4M3
+# Bytes per element of casting a bf16 weight slice to E4M3: its amax reads it, the cast reads it
+# again and writes 1 byte (tessera.perf.fp8's 2w + 1).
+FP8_CAST_BYTES = 5.0
 
 
 def _overlapped(comm: float, compute: float, overlap: bool, link: Link) -> float:
@@ -355,34 +361,40 @@ def _data_parallel(step: Phase, steps: StepModel, layout: Layout, params: StageP
     """Gradient reduction, parameter gathering and the optimizer step: dense parameters over
     DP x CP, the routed experts over their own replicas (EDP), both beside the same backward."""
     cluster = steps.cluster
-    groups = [(params.dense, layout.dp * layout.cp, cluster.ranks_per_node(layout.dp * layout.cp, layout.tp)),
-              (params.experts, layout.edp, cluster.ranks_per_node(layout.edp, layout.ep * layout.expert_tp))]
-    groups = [(count, ranks, per_node, cluster.link(ranks, per_node)) for count, ranks, per_node in groups
-              if count and ranks > 1]
+    # Bytes per parameter of each group's all-gather: bf16, but with --fp8-param-gather the FP8
+    # linears' weights in E4M3 (the dense parameters' average, their buckets' too).
+    fp8_weights = params.fp8_linears if layout.fp8_param_gather else 0.0
+    dense_gather = PARAM_GATHER_BYTES - (PARAM_GATHER_BYTES - FP8_GATHER_BYTES) * fp8_weights / params.dense
+    groups = [(params.dense, dense_gather, layout.dp * layout.cp,
+               cluster.ranks_per_node(layout.dp * layout.cp, layout.tp)),
+              (params.experts, PARAM_GATHER_BYTES, layout.edp,
+               cluster.ranks_per_node(layout.edp, layout.ep * layout.expert_tp))]
+    groups = [(count, gather_bytes, ranks, per_node, cluster.link(ranks, per_node))
+              for count, gather_bytes, ranks, per_node in groups if count and ranks > 1]
     sharded = layout.distributed_optimizer or layout.fsdp
     if groups:
-        _, ranks, per_node, _ = groups[0]
+        _, gather_bytes, ranks, per_node, _ = groups[0]
         bucket = max(40e6, 1e6 * layout.dp) / layout.tp  # Megatron's default bucket, in this GPU's params
         if layout.fsdp:
             # Per layer and micro-batch: gather bf16 weights for forward and again for backward,
             # reduce-scatter fp32 gradients; prefetching hides them behind the layer's compute.
             gather = [(cluster.all_gather(count / len(layers) * PARAM_GATHER_BYTES, r, n), link)
-                      for count, r, n, link in groups]
+                      for count, _, r, n, link in groups]
             scatter = [(cluster.reduce_scatter(count / len(layers) * GRAD_BYTES, r, n), link)
-                       for count, r, n, link in groups]
+                       for count, _, r, n, link in groups]
             layer_fwd = sum(fwd.total for fwd, _ in layers) / len(layers)
             layer_bwd = sum(bwd.total for _, bwd in layers) / len(layers)
             per_layer = _exposed(gather, layer_fwd, 0.0, True) + _exposed(gather + scatter, layer_bwd, 0.0, True)
             step.add("dp_comm", micro_batches * len(layers) * per_layer + sum(seconds for seconds, _ in gather))
         elif layout.distributed_optimizer:
-            scatter = [(cluster.reduce_scatter(count * GRAD_BYTES, r, n), link) for count, r, n, link in groups]
-            gather = [(cluster.all_gather(count * PARAM_GATHER_BYTES, r, n), link) for count, r, n, link in groups]
+            scatter = [(cluster.reduce_scatter(count * GRAD_BYTES, r, n), link) for count, _, r, n, link in groups]
+            gather = [(cluster.all_gather(count * nbytes, r, n), link) for count, nbytes, r, n, link in groups]
             last_scatter = cluster.reduce_scatter(bucket * GRAD_BYTES, ranks, per_node)
-            first_gather = cluster.all_gather(bucket * PARAM_GATHER_BYTES, ranks, per_node)
+            first_gather = cluster.all_gather(bucket * gather_bytes, ranks, per_node)
             step.add("dp_comm", _exposed(scatter, bwd_time, last_scatter, layout.overlap_grad_reduce)
                      + _exposed(gather, fwd_time, first_gather, layout.overlap_param_gather))
         else:
-            reduce = [(cluster.all_reduce(count * GRAD_BYTES, r, n), link) for count, r, n, link in groups]
+            reduce = [(cluster.all_reduce(count * GRAD_BYTES, r, n), link) for count, _, r, n, link in groups]
             last = cluster.all_reduce(bucket * GRAD_BYTES, ranks, per_node)
             step.add("dp_comm", _exposed(reduce, bwd_time, last, layout.overlap_grad_reduce))
     shard = params.dense / (layout.dp * layout.cp) + params.experts / layout.edp if sharded else params.total
@@ -393,7 +405,9 @@ def _data_parallel(step: Phase, steps: StepModel, layout: Layout, params: StageP
     # Each moment byte is read and written; a remainder master reads what the fp32 one did (the
     # weight and the remainder) and writes 2 bytes less.
     per_param = OPTIMIZER_BYTES_PER_PARAM - 2 * moments_saved - masters_saved
-    step.add("optimizer", (shard * per_param + params.total * GRAD_BYTES) / steps.hbm)
+    # --fp8-param-gather: each rank casts its slice of the FP8 linears' weights to E4M3 for the gather.
+    fp8_casts = FP8_CAST_BYTES * fp8_weights / (layout.dp * layout.cp)
+    step.add("optimizer", (shard * per_param + params.total * GRAD_BYTES + fp8_casts) / steps.hbm)
 
 
 def _exposed(comms: list[tuple[float, Link]], window: float, one_bucket: float, overlap: bool) -> float:

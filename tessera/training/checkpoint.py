@@ -369,6 +369,9 @@ class Checkpointer:
             state[rng_key] = None
         with _single_process_ok():
             dcp.load(state, storage_reader=dcp.FileSystemReader(directory), planner=LoadPlanner())
+        # Delayed scaling's scales first: storing the masters casts the weights that
+        # --fp8-param-gather gathers in E4M3, with these scales.
+        missing = [] if weights_only else restore_fp8_scaling(trainer.model, state)
         masters = master_weights(trainer.optimizer)
         if masters:  # fp32 masters read from the same (fp32) weights, not from the bf16 copy
             dcp.load(master_state(trainer.model, masters), storage_reader=dcp.FileSystemReader(directory),
@@ -383,7 +386,6 @@ class Checkpointer:
         trainer.loss_scaler.load_state_dict(train_state["loss_scaler"])
         if not self.options.no_load_optim and train_state["optimizer_steps"] is not None:
             set_optimizer_steps(trainer.optimizer, train_state["optimizer_steps"])
-        missing = restore_fp8_scaling(trainer.model, state)
         if missing:
             _warn(f"{directory} has no FP8 delayed-scaling state for {len(missing)} layers (e.g. {missing[0]}): "
                   "their amax histories start fresh")

@@ -98,6 +98,14 @@ def apply_fp8(layers, recipe: Fp8Recipe, keep_bf16: set[int], tokens_per_micro_b
     return fp8_layers
 
 
+def gathered_weights(model: nn.Module) -> dict[nn.Parameter, nn.Module]:
+    """--fp8-param-gather: the FP8 linears' weights, each with its FP8 GEMM module. The experts'
+    are gathered in bf16: their grouped GEMMs scale the weight per column one way in the forward
+    and another in the backward (tessera.kernels.fp8_grouped), two casts that one copy cannot serve."""
+    return {module.weight: module.fp8 for module in model.modules()
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.fp8 is not None}
+
+
 @torch.no_grad()
 def end_step(fp8_layers: list[nn.Module], group) -> None:
     """Delayed scaling, once per optimizer step: every rank takes the largest amax any rank

@@ -11,7 +11,9 @@ biases (every 1-D parameter) get no weight decay, as in Megatron-LM.
 
 MoE expert weights are reduced over their own group, expert data parallelism (the ranks
 holding the same experts): they get a gradient buffer of their own, unless that group is
-the data-parallel group itself (no expert parallelism, expert-TP = TP).
+the data-parallel group itself (no expert parallelism, expert-TP = TP). With
+--fp8-param-gather the FP8 linears' weights get one too (gathered in E4M3:
+tessera.parallel.fp8_gather).
 
 The gradient norm counts every element of the model exactly once, summed over all ranks:
 grads sharded over tensor-parallel ranks count their own elements; grads replicated over
@@ -101,9 +103,15 @@ class TrainingOptimizer:
     def wait_for_parameters(self) -> None:
         """Wait for the distributed optimizer's parameter all-gathers: for whatever reads the
         weights other than through the model's forward, whose hooks wait module by module
-        (pipeline stages, checkpoint saves, the caller of Trainer.train)."""
+        (pipeline stages, checkpoint saves)."""
         if isinstance(self.inner, DistributedOptimizer):
             self.inner.wait_all()
+
+    def gather_model_weights(self) -> None:
+        """Every rank's whole model in its own dtype (the caller of Trainer.train): waits for the
+        gathers, and gathers the bf16 weights of those gathered in E4M3 (--fp8-param-gather)."""
+        if isinstance(self.inner, DistributedOptimizer):
+            self.inner.gather_model_weights()
 
     def _owned_grads(self) -> list[tuple[torch.Tensor, nn.Parameter, int | None]]:
         """(gradient this rank holds, its parameter, flat offset of a slice or None if whole)."""
@@ -181,9 +189,11 @@ class TrainingOptimizer:
 
 
 def build_optimizer(model: nn.Module, optim: OptimConfig, parallel: ParallelConfig, mesh: Mesh, *,
-                    bf16: bool = False, pipeline: PipelineGroups | None = None, micro_batches: int = 1
-                    ) -> TrainingOptimizer:
-    """The optimizer for the layout; call after the model is built (and FSDP2-wrapped)."""
+                    bf16: bool = False, pipeline: PipelineGroups | None = None, micro_batches: int = 1,
+                    fp8_gathered: dict[nn.Parameter, nn.Module] | None = None) -> TrainingOptimizer:
+    """The optimizer for the layout; call after the model is built (and FSDP2-wrapped).
+    `fp8_gathered` (--fp8-param-gather): the weights the distributed optimizer gathers in E4M3,
+    each with its FP8 GEMM module."""
     params = [p for p in model.parameters() if p.requires_grad]
     if parallel.use_torch_fsdp2:
         return TrainingOptimizer(model, optim, mesh, buffers=[], inner=_adamw(params, optim), dp_sharded=True,
@@ -193,9 +203,13 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, parallel: ParallelConf
         return TrainingOptimizer(model, optim, mesh, buffers=[], inner=_adamw(params, optim), dp_sharded=False,
                                  pipeline=pipeline)
     own_group = not mesh.experts_follow_data_parallel
+    fp8_gathered = fp8_gathered or {}
     experts = [p for p in params if own_group and getattr(p, "is_expert", False)]
     dense = [p for p in params if not (own_group and getattr(p, "is_expert", False))]
-    groups = [(dense, mesh.group("dp_cp"), mesh.dp_size * mesh.cp_size), (experts, mesh.group("edp"), mesh.edp_size)]
+    dp_group, dp_size = mesh.group("dp_cp"), mesh.dp_size * mesh.cp_size
+    groups = [([p for p in dense if p in fp8_gathered], dp_group, dp_size),
+              ([p for p in dense if p not in fp8_gathered], dp_group, dp_size),
+              (experts, mesh.group("edp"), mesh.edp_size)]
     buffers = [GradBuffer(
         members, group, bucket_size=parallel.ddp_bucket_size or default_bucket_size(size),
         overlap=parallel.overlap_grad_reduce, reduce_scatter=parallel.use_distributed_optimizer,
@@ -207,7 +221,7 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, parallel: ParallelConf
         inner = DistributedOptimizer(model, buffers, optim, param_dtype=torch.bfloat16 if bf16 else torch.float32,
                                      overlap_param_gather=parallel.overlap_param_gather,
                                      moment_dtypes=(_DTYPES[optim.exp_avg_dtype], _DTYPES[optim.exp_avg_sq_dtype]),
-                                     master_remainders=optim.use_precision_aware_optimizer)
+                                     master_remainders=optim.use_precision_aware_optimizer, fp8_layers=fp8_gathered)
         return TrainingOptimizer(model, optim, mesh, buffers=buffers, inner=inner, dp_sharded=True,
                                  pipeline=pipeline)
     return TrainingOptimizer(model, optim, mesh, buffers=buffers, inner=_adamw(params, optim), dp_sharded=False,

@@ -109,7 +109,8 @@ class Trainer:
         self.pipeline = PipelineGroups.build(self.mesh, shared_embedding=config.model.last_stage_embedding) \
             if self.mesh.pp_size > 1 else None
         self.optimizer = build_optimizer(self.model, config.optim, parallel, self.mesh, bf16=train.bf16,
-                                         pipeline=self.pipeline, micro_batches=config.num_micro_batches)
+                                         pipeline=self.pipeline, micro_batches=config.num_micro_batches,
+                                         fp8_gathered=fp8.gathered_weights(self.model) if train.fp8_param_gather else None)
         if self.pipeline is not None:
             self._build_pipeline_runners()
         self.lr_schedule = LRSchedule(config.optim, train.train_iters)
@@ -293,8 +294,9 @@ class Trainer:
         norm = self.optimizer.grad_norm()
         if self.loss_scaler.dynamic:  # the scale of the next iteration depends on this one
             self.loss_scaler.update(not torch.isfinite(norm).item())
-        norm = self.optimizer.step(norm, scale, self.lr_schedule(self.iteration))
+        # Delayed scaling's next scales before the step: --fp8-param-gather casts the new weights with them.
         fp8.end_step(self.fp8_layers, self.mesh.group("tp_dp_cp"))
+        norm = self.optimizer.step(norm, scale, self.lr_schedule(self.iteration))
         self.iteration += 1
         self.consumed_samples += self.config.train.global_batch_size
         loss, mtp_metrics = self.losses.finish(tokens)
@@ -348,7 +350,7 @@ class Trainer:
         if self.nan_check is not None:
             self.nan_check.flush()
         history += [r.resolve() for r in pending]
-        self.optimizer.wait_for_parameters()   # the caller gets the whole model, not gathers in flight
+        self.optimizer.gather_model_weights()   # the caller gets the whole model, not gathers in flight
         self.checkpointer.finish(self)
         self.metrics.close()
         return history

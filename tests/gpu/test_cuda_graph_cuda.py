@@ -35,7 +35,8 @@ def _train(flags, graph: bool):
     ("--model", "tiny-moe", "--moe-grouped-gemm", "--global-batch-size", "2", "--use-distributed-optimizer",
      "--no-compile", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-experts"),
     ("--model", "tiny-llama", "--global-batch-size", "2", "--use-distributed-optimizer", "--no-compile",
-     "--fp8-format", "e4m3", "--fp8-recipe", "blockwise"),
+     "--fp8-format", "e4m3", "--fp8-recipe", "blockwise", "--hidden-size", "128", "--ffn-hidden-size", "256",
+     "--seq-length", "128"),   # 128-blocks: every GEMM dimension and the tokens per micro-batch
 ], ids=["autograd-grads", "main-grad-buffer-2-micro-batches", "torch-adamw", "moe-compiled", "mla-mtp",
         "fp8-tensorwise-moe", "fp8-blockwise"])
 def test_replayed_steps_compute_what_eager_steps_compute(flags):

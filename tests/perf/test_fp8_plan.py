@@ -1,17 +1,18 @@
 """FP8 in the planner: GEMM rates per recipe, quantisation traffic, bf16 layers, saved activations, the CLI,
-and tessera's measured config B runs."""
+tessera's measured config B runs, and --fp8-param-gather."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from tessera.cli import plan
-from tessera.config import ModelConfig
+from tessera.config import ConfigError, ModelConfig
 from tessera.perf.cluster import CLUSTERS, Cluster, Link
 from tessera.perf.hardware import GPU
 from tessera.perf.kernels import KernelCurves, load_curves
-from tessera.perf.layout import Layout
-from tessera.perf.memory import GIB, layer_activation_bytes
+from tessera.perf.layout import Layout, check_layout
+from tessera.perf.memory import GIB, layer_activation_bytes, stage_parameters
 from tessera.perf.simulator import StepModel, predict
 from tests.perf import saved_tensors
 
@@ -57,6 +58,11 @@ def test_the_quantisation_passes_by_hand():
     assert bwd.times["fp8_cast"] == pytest.approx((5 * grads + 9 * weights + 9 * (grads + x)) / HBM)
     _, no_wgrad = steps.layer(fp8("tensorwise", no_fp8_wgrad=True), fp8=True)
     assert no_wgrad.times["fp8_cast"] == pytest.approx((5 * grads + 5 * weights) / HBM)
+    # --fp8-param-gather: the weights arrive in E4M3; only their transposed copy is made (2).
+    for recipe, wgrad in (("tensorwise", 2 * grads + 5 * x), ("blockwise", 9 * (grads + x))):
+        fwd, bwd = steps.layer(fp8(recipe, distributed_optimizer=True, fp8_param_gather=True), fp8=True)
+        assert fwd.times["fp8_cast"] == pytest.approx(5 * x / HBM)
+        assert bwd.times["fp8_cast"] == pytest.approx((5 * grads + 2 * weights + wgrad) / HBM)
     assert "fp8_cast" not in steps.layer(fp8("tensorwise"), fp8=False)[0].times
 
 
@@ -212,3 +218,87 @@ def test_fp8_flag_errors_are_tessera_trains(capsys):
         with pytest.raises(SystemExit):
             plan.main([*CONFIG_B, "--explain", *flags])
         assert named in capsys.readouterr().err
+
+
+F = 2816
+# Per layer of llama(), the FP8 linears' weights: QKV h x (h + 2 x 256), the attention output h x h,
+# fc1 h x 2F and fc2 F x h.
+FP8_LINEARS = H * (H + 2 * 256) + H * H + 2 * H * F + F * H
+
+
+def llama():
+    """GQA (2 groups of 128 channels), a SwiGLU MLP of F, RMSNorm, RoPE, no biases."""
+    return gpt(group_query_attention=True, num_query_groups=2, swiglu=True, ffn_hidden_size=F,
+               normalization="RMSNorm", position_embedding_type="rope", disable_bias_linear=True)
+
+
+@pytest.mark.parametrize("bf16_ends, fp8_layers", [(False, L), (True, L - 2)])
+def test_fp8_param_gather_moves_the_fp8_linears_weights_in_one_byte(bf16_ends, fp8_layers):
+    # DP 16 over two nodes, nothing overlapped: fp32 gradients reduce-scattered as before; the
+    # weights gathered in bf16 but the FP8 linears' (of the layers not kept in bf16) in E4M3.
+    dgx, model = CLUSTERS["dgx-h100"], llama()
+    layout = fp8("tensorwise", dp=16, distributed_optimizer=True, overlap_grad_reduce=False,
+                 overlap_param_gather=False, first_last_layers_bf16=bf16_ends)
+    curves = load_curves(gpu_name="H100")
+    without = predict(model, layout, dgx, curves, 16, S)
+    gathered = predict(model, replace(layout, fp8_param_gather=True), dgx, curves, 16, S)
+    dense = L * (FP8_LINEARS + 2 * H) + H + V * H   # the layers, their norms, the final norm, the tied embedding
+    fp8_weights = fp8_layers * FP8_LINEARS
+    expected = dgx.reduce_scatter(4 * dense, 16, 8) + dgx.all_gather(2 * dense - fp8_weights, 16, 8)
+    assert without.breakdown["dp_comm"] == pytest.approx(
+        dgx.reduce_scatter(4 * dense, 16, 8) + dgx.all_gather(2 * dense, 16, 8))
+    assert gathered.breakdown["dp_comm"] == pytest.approx(expected)
+    # Each rank casts its 1/16 of them after the step (amax, then cast: 2 + 2 + 1 bytes), and
+    # keeps the whole E4M3 copy beside the bf16 weights.
+    hbm = StepModel(model, dgx, curves, S).hbm
+    assert gathered.breakdown["optimizer"] - without.breakdown["optimizer"] == pytest.approx(
+        5 * fp8_weights / 16 / hbm)
+    assert gathered.memory.weights - without.memory.weights == pytest.approx(fp8_weights)
+    assert gathered.step_time < without.step_time
+
+
+@pytest.mark.parametrize("preset, changes", [("tiny-llama", {}), ("tiny-deepseek", {}),
+                                             ("tiny-deepseek", {"q_lora_rank": None})])
+def test_the_fp8_linears_weights_are_those_tessera_train_gathers_in_e4m3(preset, changes):
+    """The oracle is the model: the weights tessera.training.fp8 hands the distributed optimizer to
+    gather in E4M3 (the blocks' tensor-parallel linears: not MLA's replicated down projections,
+    the routed experts, the router, norms, embedding or output layer), the first block kept in bf16."""
+    from tessera.kernels.fp8 import Fp8Recipe
+    from tessera.models.gpt import GPTModel
+    from tessera.models.presets import preset_values
+    from tessera.training.fp8 import apply_fp8, gathered_weights
+
+    config = ModelConfig(**{**preset_values(preset), **changes})
+    model = GPTModel(config)
+    apply_fp8(model.layers.items(), Fp8Recipe(format="hybrid", recipe="tensorwise"), {0}, 64)
+    layout = fp8("tensorwise", first_last_layers_bf16=True, num_layers_at_end_in_bf16=0)
+    planned = stage_parameters(config, layout, config.padded_vocab_size(), 0).fp8_linears
+    assert planned == sum(weight.numel() for weight in gathered_weights(model))
+    assert planned == stage_parameters(config, replace(layout, tp=2), config.padded_vocab_size(), 0).fp8_linears * 2
+
+
+def test_fp8_param_gather_needs_fp8_and_the_distributed_optimizer():
+    model = llama()
+    for layout, named in [(Layout(dp=2, distributed_optimizer=True, fp8_param_gather=True), "--fp8-format"),
+                          (fp8(dp=2, fp8_param_gather=True), "--use-distributed-optimizer"),
+                          (fp8(dp=2, fsdp=True, fp8_param_gather=True), "--use-distributed-optimizer")]:
+        with pytest.raises(ConfigError, match=f"--fp8-param-gather needs {named}"):
+            check_layout(model, layout, 2, S)
+    check_layout(model, fp8(dp=2, distributed_optimizer=True, fp8_param_gather=True), 2, S)
+
+
+def test_the_plan_cli_takes_fp8_param_gather_and_hands_it_on(capsys):
+    from tessera.cli.args import parse_run_config
+
+    flags = [*CONFIG_B, "--gpus", "2", "--global-batch-size", "16", "--explain", "--fp8-format", "hybrid"]
+    gathered = json.loads(run(capsys, *flags, "--fp8-param-gather", "--json"))[0]
+    bf16 = json.loads(run(capsys, *flags, "--json"))[0]
+    assert gathered["layout"]["fp8_param_gather"] and not bf16["layout"]["fp8_param_gather"]
+    assert gathered["time_s"]["dp_comm"] < bf16["time_s"]["dp_comm"]
+    assert "their weights all-gathered in E4M3" in run(capsys, *flags, "--fp8-param-gather")
+    config, _ = parse_run_config(["--model", "llama-1.2b", "--mock-data", "--lr", "1e-4", "--train-iters", "1",
+                                  *gathered["layout"]["flags"]], "test", world_size=2)
+    assert config.train.fp8_param_gather
+    with pytest.raises(SystemExit):
+        plan.main([*flags[:-2], "--fp8-param-gather"])   # without --fp8-format
+    assert "--fp8-param-gather needs --fp8-format" in capsys.readouterr().err

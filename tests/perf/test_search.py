@@ -93,3 +93,10 @@ def test_the_search_folds_expert_parallelism_into_the_stage():
     assert {layout.expert_tp for layout in layouts if layout.tp == 4} == {1, 4}
     assert {layout.moe_dispatcher for layout in layouts if layout.ep > 1} == {"allgather", "alltoall"}
     assert {layout.ep for layout in candidates(preset("llama3-8b", 4096), 16, 8, 64, 4096)} == {1}
+
+
+def test_fp8_param_gather_brings_the_distributed_optimizer_on_one_replica_too():
+    fp8 = {"fp8_format": "hybrid", "fp8_recipe": "tensorwise", "fp8_param_gather": True}
+    layouts = candidates(preset("llama3-8b", 4096), 8, 8, 8, 4096, SearchSpace(pp=(1,), fp8=fp8))
+    assert any(layout.dp == 1 for layout in layouts)
+    assert all(layout.distributed_optimizer and layout.fp8_param_gather for layout in layouts)

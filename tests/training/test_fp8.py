@@ -13,6 +13,7 @@ from tessera.kernels.fp8 import E4M3, E5M2, FP8_MAX, Fp8Linear, Fp8Recipe, quant
 from tessera.models.gpt import GPTModel, initialize_parameters
 from tessera.models.presets import preset_values
 from tessera.training import fp8
+from tests.conftest import run_config
 
 
 def test_quantize_is_torchs_cast_of_the_scaled_value_and_saturates():
@@ -145,11 +146,22 @@ def test_fp8_model_trains_close_to_the_unquantised_one():
     (dict(bf16=True, fp8_format="hybrid", first_last_layers_bf16=True),
      "--first-last-layers-bf16 does not combine with --fp8-recipe delayed"),
     (dict(bf16=True, fp8_format="hybrid", fp8_amax_history_len=0), "--fp8-amax-history-len must be positive"),
-    (dict(bf16=True, fp8_format="hybrid", fp8_param_gather=True), "--fp8-param-gather: not implemented yet"),
+    (dict(bf16=True, fp8_param_gather=True), "--fp8-param-gather needs --fp8-format"),
 ])
 def test_bad_fp8_settings_name_their_flags(flags, message):
     with pytest.raises(ConfigError, match=message):
         TrainConfig(train_iters=1, **flags)
+
+
+@pytest.mark.parametrize("flags, message", [
+    ([], "--fp8-param-gather needs --use-distributed-optimizer"),
+    (["--use-torch-fsdp2"], "--fp8-param-gather needs --use-distributed-optimizer (with --use-torch-fsdp2 the "
+                            "weights are gathered in bf16)"),
+])
+def test_fp8_param_gather_needs_the_distributed_optimizer(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        run_config("--bf16", "--fp8-format", "hybrid", "--fp8-param-gather", *flags)
+    assert capsys.readouterr().err.strip().endswith(f"error: {message}")
 
 
 def test_fp8_on_cpu_and_on_undivisible_shapes_is_refused():

@@ -38,6 +38,14 @@ def _saved_keys(directory):
     return set(dcp.FileSystemReader(directory).read_metadata().state_dict_metadata)
 
 
+def test_delayed_scaling_with_fp8_param_gather_resumes_with_the_uninterrupted_losses(tmp_path):
+    # The resumed E4M3 weights are cast with the restored scales, not fresh ones.
+    flags = (*DELAYED, "--use-distributed-optimizer", "--fp8-param-gather")
+    expected = [r.loss for r in _trainer(*flags).train()]
+    before = [r.loss for r in _trainer(*flags, "--save", str(tmp_path), "--exit-interval", "2").train()]
+    assert before + [r.loss for r in _trainer(*flags, "--load", str(tmp_path)).train()] == expected
+
+
 def test_delayed_scaling_resumes_with_the_uninterrupted_losses(tmp_path):
     expected = [r.loss for r in _trainer(*DELAYED).train()]
     first = _trainer(*DELAYED, "--save", str(tmp_path), "--exit-interval", "2")

@@ -1,0 +1,125 @@
+"""--fp8-param-gather: the distributed optimizer all-gathers the FP8 linears' weights in E4M3.
+
+Training with it computes what the same layout computes with bf16 gathers (losses, gradient
+norms, weights), for the three recipes, with buckets cut through weights and blocks,
+overlapped gathers delivered late, and TP x DP; the gathered E4M3 weights are bit for bit what
+each layer would cast from its whole bf16 weight; those gathers carry one byte an element.
+The reference is the layout without the flag, not one process: FP8 training under data
+parallelism differs from one process by more than the harness's 1e-5 (a gradient sum in
+another order moves a weight by an ulp, which can move its E4M3 value by one of E4M3's ulps).
+
+torch._scaled_mm runs on the CPU (tests/training/test_fp8.py); only the trainer's check for FP8
+tensor cores is switched off.
+"""
+
+from unittest import mock
+
+import pytest
+import torch
+
+from tests.dist import equivalence
+from tests.dist.equivalence import assert_equivalent, late_parameter_gathers
+from tests.dist.launcher import run_distributed
+from tessera.kernels.fp8 import E4M3, amax, quantize, scale_for
+from tessera.kernels.fp8_blockwise import quantize_blocks
+from tessera.training import fp8
+
+TENSORWISE = ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
+DELAYED = ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "3",
+           "--fp8-amax-compute-algo", "max"]
+# 128-blocks need 128-divisible weights and tokens per micro-batch.
+BLOCKWISE = ["--bf16", "--fp8-format", "e4m3", "--fp8-recipe", "blockwise", "--hidden-size", "128",
+             "--ffn-hidden-size", "256", "--seq-length", "128"]
+# Buckets of ~30k elements end inside weights (fc1's 45k in tiny-llama; blockwise: inside 128x128 blocks).
+DISTRIBUTED = ["--use-distributed-optimizer", "--ddp-bucket-size", "30000"]
+OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather"]
+
+LAYOUTS = {
+    "tensorwise": (TENSORWISE, {2: DISTRIBUTED, 4: DISTRIBUTED + OVERLAP + [
+        "--tensor-model-parallel-size", "2", "--ffn-hidden-size", "192"]}),   # 16-divisible TP shards
+    "delayed": (DELAYED, {2: DISTRIBUTED + OVERLAP}),
+    "blockwise": (BLOCKWISE, {2: DISTRIBUTED}),
+}
+
+
+def _with_fp8_on_cpu(fn, *args):
+    with mock.patch.object(fp8, "check_device", lambda device, recipe: None):
+        return fn(*args)
+
+
+def _train_late(flags):
+    with late_parameter_gathers():
+        return equivalence.train(flags)
+
+
+def _train_layouts(layouts):
+    return {name: _with_fp8_on_cpu(_train_late if "late" in name else equivalence.train, flags)
+            for name, flags in layouts.items()}
+
+
+@pytest.mark.parametrize("recipe", list(LAYOUTS))
+def test_fp8_param_gather_trains_as_bf16_gathers_do(recipe):
+    flags, by_world = LAYOUTS[recipe]
+    for world_size, layout in by_world.items():
+        name = f"{recipe}, {world_size} ranks"
+        results = run_distributed(_train_layouts, world_size, {
+            "bf16 gathers": flags + layout,
+            "fp8 gathers": flags + layout + ["--fp8-param-gather"],
+            "fp8 gathers delivered late": flags + layout + ["--fp8-param-gather"]})[0]
+        assert_equivalent(results["bf16 gathers"], results["fp8 gathers"], name)
+        assert_equivalent(results["bf16 gathers"], results["fp8 gathers delivered late"], name + ", late")
+
+
+def _gathered_against_cast(flags):
+    """After training: each FP8 layer's gathered E4M3 weight and its scale, beside what the layer
+    casts from its whole bf16 weight; and the dtype and size of every weight all-gather."""
+    from tessera.cli.args import parse_run_config
+    from tessera.parallel import zero
+    from tessera.training.trainer import Trainer
+    import torch.distributed as dist
+
+    gathers = []
+
+    def recording(output, input, *, group, async_op=False):
+        gathers.append((input.dtype, output.numel()))
+        return equivalence.all_gather_flat(output, input, group=group, async_op=async_op)
+
+    config, _ = parse_run_config(equivalence.BASE + flags + ["--train-iters", "3"], "test",
+                                 world_size=dist.get_world_size())
+    with mock.patch.object(fp8, "check_device", lambda device, recipe: None), \
+            mock.patch.object(zero, "all_gather_flat", recording):
+        trainer = Trainer(config)
+        for _ in range(3):   # the last step's gathers are kept
+            gathers.clear()
+            trainer.train_step()
+        trainer.optimizer.wait_for_parameters()
+        step_gathers = list(gathers)
+        trainer.optimizer.gather_model_weights()
+    pairs = []
+    for module in trainer.model.modules():
+        layer = getattr(module, "fp8", None)
+        if layer is None:
+            continue
+        weight = module.weight.detach()
+        if layer.weight_block is None:
+            expected = quantize(weight, scale_for(amax(weight), E4M3), E4M3), scale_for(amax(weight), E4M3)
+        else:
+            expected = quantize_blocks(weight)
+        pairs.append(((layer.weight_fp8.view(torch.uint8).clone(), layer.weight_fp8_scale.clone()),
+                      (expected[0].view(torch.uint8), expected[1])))
+    fp8_elements = sum(module.weight.numel() for module in trainer.model.modules()
+                       if getattr(module, "fp8", None) is not None)
+    return pairs, step_gathers, fp8_elements
+
+
+@pytest.mark.parametrize("flags", [TENSORWISE, BLOCKWISE], ids=["tensorwise", "blockwise"])
+def test_gathered_weights_are_what_each_layer_would_cast(flags):
+    pairs, gathers, fp8_elements = run_distributed(_gathered_against_cast, 2,
+                                                   flags + DISTRIBUTED + ["--fp8-param-gather"])[1]
+    assert pairs
+    for (gathered, scale), (cast, cast_scale) in pairs:
+        assert torch.equal(gathered, cast)
+        assert torch.equal(scale.reshape(cast_scale.shape), cast_scale)
+    one_byte = sum(size for dtype, size in gathers if dtype == torch.uint8)
+    assert one_byte == pytest.approx(fp8_elements, rel=0.01)   # bucket padding aside
+    assert {dtype for dtype, _ in gathers} == {torch.uint8, torch.bfloat16}   # the other weights: bf16
