@@ -3,11 +3,13 @@ whole tensor, or one per 128x128 block): the distributed optimizer's cast under
 --fp8-param-gather (tessera.parallel.fp8_gather).
 
 A slice is a flat range [offset, offset + n) of a (rows, cols) weight, in its bf16 copy, and
-goes to an E4M3 view of the same length. On CUDA one Triton launch casts every slice: a
-weight's slices and scales never move, so their addresses are tabled once, and the elements
-of a step's ~100 weights need no launch each (the eager ops took ~12 launches a weight, 4.7%
-of config B's FP8 step on an H200). The cast is quantize()'s: x x scale, saturated to
-+-448, rounded to nearest even; elsewhere (CPU) it runs in those torch ops, slice by slice.
+goes to an E4M3 view of the same length. On CUDA one Triton launch casts every slice, and one
+more finds the amaxes of 128x128 blocks (one program a block a slice touches; per-tensor
+amaxes are torch._foreach_norm's): a weight's slices and scales never move, so their
+addresses are tabled once, and a step's ~100 weights need no launches each (the eager ops took
+~12 launches a weight, 4.7% of config B's FP8 step on an H200). The cast is quantize()'s:
+x x scale, saturated to +-448, rounded to nearest even; elsewhere (CPU) it runs in those torch
+ops, slice by slice.
 """
 
 from __future__ import annotations
@@ -44,17 +46,37 @@ def grid(shape: torch.Size, block: int | None) -> tuple[int, int]:
     return (1, 1) if block is None else (rows // block, cols // block)
 
 
-class SliceCast:
-    """Casts fixed slices into fixed E4M3 views: `cast(scales)`, the scales of every weight
-    concatenated (each weight's grid row-major, from its `first_scale`)."""
+class WeightSlices:
+    """Fixed slices of weights, cast into fixed E4M3 views: `amax(into)` writes each slice's
+    amax per scaling block into the scales vector's layout, `cast(scales)` casts every slice
+    with its weight's scales (each weight's grid row-major, from its `first_scale`)."""
 
     def __init__(self, slices: list[Slice]):
         self.slices = slices
+        self.block = slices[0].block if slices else None   # one recipe for all
+        self._first_scales = torch.tensor([s.first_scale for s in slices], dtype=torch.int64,
+                                          device=slices[0].source.device if slices else None)
         self._programs = None
         if slices and triton is not None and slices[0].source.is_cuda:
             self._table, self._programs = _tables(slices)
+            if self.block is not None:
+                self._blocks = _block_programs(slices).to(slices[0].source.device)
 
-    def __call__(self, scales: torch.Tensor) -> None:
+    def amax(self, into: torch.Tensor) -> None:
+        if not self.slices:
+            return
+        if self.block is None:   # one scale a weight: every slice's amax in one pass
+            maxima = torch._foreach_norm([s.source for s in self.slices], float("inf"), dtype=torch.float32)
+            into.index_copy_(0, self._first_scales, torch.stack(maxima))
+        elif self._programs is not None:
+            _block_amax_kernel[(self._blocks.shape[1],)](self._table, self._blocks, into, self._blocks.shape[1],
+                                                         BLOCK=self.block, num_warps=8)
+        else:
+            for s in self.slices:
+                amax = slice_amax(s.source, s.offset, s.shape, s.block).flatten()
+                into[s.first_scale:s.first_scale + amax.numel()] = amax
+
+    def cast(self, scales: torch.Tensor) -> None:
         if self._programs is None:
             for s in self.slices:
                 count = grid(s.shape, s.block)
@@ -72,6 +94,16 @@ def _tables(slices: list[Slice]) -> tuple[torch.Tensor, torch.Tensor]:
                            s.block or 0, s.first_scale) for s in slices], dtype=torch.int64)
     device = slices[0].source.device
     return table.to(device), chunk_programs([s.source.numel() for s in slices], CHUNK).to(device)
+
+
+def _block_programs(slices: list[Slice]) -> torch.Tensor:
+    """Per program of the block amax: its slice, and the row and column of a block the slice touches."""
+    programs = []
+    for index, s in enumerate(slices):
+        width = s.shape[1]
+        first, last = s.offset // width // s.block, (s.offset + s.source.numel() - 1) // width // s.block
+        programs += [(index, row, col) for row in range(first, last + 1) for col in range(width // s.block)]
+    return torch.tensor(programs, dtype=torch.int64).t().contiguous()
 
 
 def slice_amax(flat: torch.Tensor, offset: int, shape: torch.Size, block: int | None) -> torch.Tensor:
@@ -118,6 +150,20 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 if triton is not None:
+    @triton.jit
+    def _block_amax_kernel(table, programs, amaxes, n_programs, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        row = table + 7 * tl.load(programs + pid)
+        block_row, block_col = tl.load(programs + n_programs + pid), tl.load(programs + 2 * n_programs + pid)
+        source = tl.load(row).to(tl.pointer_type(tl.bfloat16))
+        n, offset, cols, first_scale = tl.load(row + 2), tl.load(row + 3), tl.load(row + 4), tl.load(row + 6)
+        rows = block_row * BLOCK + tl.arange(0, BLOCK)[:, None]
+        columns = block_col * BLOCK + tl.arange(0, BLOCK)[None, :]
+        at = rows * cols + columns - offset   # in the slice
+        x = tl.load(source + at, mask=(at >= 0) & (at < n), other=0.0).to(tl.float32)
+        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+        tl.store(amaxes + first_scale + block_row * (cols // BLOCK) + block_col, amax)
+
     @triton.jit
     def _cast_kernel(table, programs, scales, n_programs, LIMIT: tl.constexpr, BLOCK: tl.constexpr,
                      CHUNK: tl.constexpr):

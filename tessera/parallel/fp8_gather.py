@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.kernels.fp8 import E4M3
-from tessera.kernels.fp8_cast import Slice, SliceCast, grid, slice_amax
+from tessera.kernels.fp8_cast import Slice, WeightSlices, grid
 from tessera.parallel.ddp import GradBuffer
 
 
@@ -47,23 +47,17 @@ class Fp8Weights:
         for (param, (start, end)), layer, scales, shape in zip(
                 grads.ranges.items(), self.layers, self.stored_scales.split(sizes), grids):
             layer.attach_fp8_weight(self.data[start:end].view(E4M3).view(param.shape), scales.view(shape))
-        self.slices = [Slice(view, self.data[grads.ranges[param][0] + offset:][:view.numel()].view(E4M3), offset,
-                             param.shape, self.block, first_scale[param]) for view, param, offset in owned]
-        self.cast = SliceCast(self.slices)
-        self._owned_scales = torch.tensor([s.first_scale for s in self.slices], dtype=torch.int64, device=device)
+        self.slices = WeightSlices([
+            Slice(view, self.data[grads.ranges[param][0] + offset:][:view.numel()].view(E4M3), offset, param.shape,
+                  self.block, first_scale[param]) for view, param, offset in owned])
 
     @torch.no_grad()
     def quantize(self) -> None:
         """Cast this rank's slices with the scales of the whole weights (before their gather)."""
         amaxes = torch.zeros_like(self.stored_scales)
-        if self.block is None and self.slices:   # one scale a weight: every slice's amax in one pass
-            maxima = torch._foreach_norm([s.source for s in self.slices], float("inf"), dtype=torch.float32)
-            amaxes.index_copy_(0, self._owned_scales, torch.stack(maxima))
-        for s in self.slices if self.block is not None else ():
-            amax = slice_amax(s.source, s.offset, s.shape, s.block).flatten()
-            amaxes[s.first_scale:s.first_scale + amax.numel()] = amax
+        self.slices.amax(amaxes)
         if self.group is not None:
             dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=self.group)
         scales, stored = type(self.layers[0]).weight_scales(self.layers, amaxes)
         self.stored_scales.copy_(stored)
-        self.cast(scales)
+        self.slices.cast(scales)

@@ -11,7 +11,7 @@ import torch
 
 from tessera.kernels.fp8 import E4M3, amax, quantize, scale_for
 from tessera.kernels.fp8_blockwise import quantize_blocks
-from tessera.kernels.fp8_cast import Slice, SliceCast, grid, quantize_slice
+from tessera.kernels.fp8_cast import Slice, WeightSlices, grid, quantize_slice, slice_amax
 from tessera.training.trainer import Trainer
 from tests.conftest import run_config
 
@@ -27,22 +27,29 @@ STEPS = 5
 
 
 @pytest.mark.parametrize("block", [None, 128], ids=["one-scale", "blocks"])
-def test_one_launch_casts_every_slice_as_quantize_does(block):
+def test_one_launch_finds_the_amaxes_and_casts_every_slice_as_torch_does(block):
     generator = torch.Generator("cuda").manual_seed(2)
     shapes = [torch.Size((256, 384)), torch.Size((384, 128))]
     weights = [torch.randn(shape, device="cuda", generator=generator).to(torch.bfloat16) for shape in shapes]
-    scales = torch.rand(sum(grid(shape, block)[0] * grid(shape, block)[1] for shape in shapes), device="cuda") * 50
-    targets = torch.zeros(sum(w.numel() for w in weights), dtype=torch.uint8, device="cuda")
     cuts = [(0, 0, 1000), (0, 1000, 50_001), (0, 50_001, 98_304), (1, 129, 40_000)]   # inside rows and blocks
-    first_scale = [0, grid(shapes[0], block)[0] * grid(shapes[0], block)[1]]
+    # Each slice with scales of its own (a rank holds one slice of a weight): its weight's whole grid.
+    sizes = [grid(shapes[which], block)[0] * grid(shapes[which], block)[1] for which, _, _ in cuts]
+    first_scales = [sum(sizes[:i]) for i in range(len(cuts))]
+    scales = torch.rand(sum(sizes), device="cuda", generator=generator) * 50
+    targets = torch.zeros(sum(end - start for _, start, end in cuts), dtype=torch.uint8, device="cuda")
     slices, at = [], 0
-    for which, start, end in cuts:
+    for (which, start, end), first_scale in zip(cuts, first_scales):
         slices.append(Slice(weights[which].flatten()[start:end], targets[at:at + end - start].view(E4M3), start,
-                            shapes[which], block, first_scale[which]))
+                            shapes[which], block, first_scale))
         at += end - start
-    SliceCast(slices)(scales)
+    weight_slices = WeightSlices(slices)
+    weight_slices.cast(scales)
+    amaxes = torch.zeros_like(scales)
+    weight_slices.amax(amaxes)
     for s in slices:
         rows, cols = grid(s.shape, s.block)
+        assert torch.equal(amaxes[s.first_scale:s.first_scale + rows * cols],
+                           slice_amax(s.source, s.offset, s.shape, s.block).flatten())
         expected = quantize_slice(s.source, s.offset, s.shape, s.block,
                                   scales[s.first_scale:s.first_scale + rows * cols].view(rows, cols))
         assert torch.equal(s.target.view(torch.uint8), expected.view(torch.uint8))
