@@ -2,7 +2,7 @@
 
 Training with it computes what the same layout computes with bf16 gathers (losses, gradient
 norms, weights), for the three recipes, with buckets cut through weights and blocks,
-overlapped gathers delivered late, and TP x DP; the gathered E4M3 weights are bit for bit what
+overlapped gathers delivered late, TP x DP and PP x DP; the gathered E4M3 weights are bit for bit what
 each layer would cast from its whole bf16 weight; those gathers carry one byte an element.
 The reference is the layout without the flag, not one process: FP8 training under data
 parallelism differs from one process by more than the harness's 1e-5 (a gradient sum in
@@ -34,11 +34,11 @@ BLOCKWISE = ["--bf16", "--fp8-format", "e4m3", "--fp8-recipe", "blockwise", "--h
 DISTRIBUTED = ["--use-distributed-optimizer", "--ddp-bucket-size", "30000"]
 OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather"]
 
-LAYOUTS = {
-    "tensorwise": (TENSORWISE, {2: DISTRIBUTED, 4: DISTRIBUTED + OVERLAP + [
-        "--tensor-model-parallel-size", "2", "--ffn-hidden-size", "192"]}),   # 16-divisible TP shards
-    "delayed": (DELAYED, {2: DISTRIBUTED + OVERLAP}),
-    "blockwise": (BLOCKWISE, {2: DISTRIBUTED}),
+LAYOUTS = {   # recipe: its flags, and (ranks, layout) pairs
+    "tensorwise": (TENSORWISE, [(2, DISTRIBUTED), (4, DISTRIBUTED + OVERLAP + [
+        "--tensor-model-parallel-size", "2", "--ffn-hidden-size", "192"])]),   # 16-divisible TP shards
+    "delayed": (DELAYED, [(4, DISTRIBUTED + OVERLAP + ["--pipeline-model-parallel-size", "2"])]),
+    "blockwise": (BLOCKWISE, [(2, DISTRIBUTED)]),
 }
 
 
@@ -59,15 +59,14 @@ def _train_layouts(layouts):
 
 @pytest.mark.parametrize("recipe", list(LAYOUTS))
 def test_fp8_param_gather_trains_as_bf16_gathers_do(recipe):
-    flags, by_world = LAYOUTS[recipe]
-    for world_size, layout in by_world.items():
-        name = f"{recipe}, {world_size} ranks"
+    flags, layouts = LAYOUTS[recipe]
+    for world_size, layout in layouts:
+        name = f"{recipe}, {world_size} ranks {layout}"
+        # Overlapped gathers are delivered late (at their wait): a forward reading them early would differ.
+        gathered = "fp8 gathers delivered late" if "--overlap-param-gather" in layout else "fp8 gathers"
         results = run_distributed(_train_layouts, world_size, {
-            "bf16 gathers": flags + layout,
-            "fp8 gathers": flags + layout + ["--fp8-param-gather"],
-            "fp8 gathers delivered late": flags + layout + ["--fp8-param-gather"]})[0]
-        assert_equivalent(results["bf16 gathers"], results["fp8 gathers"], name)
-        assert_equivalent(results["bf16 gathers"], results["fp8 gathers delivered late"], name + ", late")
+            "bf16 gathers": flags + layout, gathered: flags + layout + ["--fp8-param-gather"]})[0]
+        assert_equivalent(results["bf16 gathers"], results[gathered], f"{name}, {gathered}")
 
 
 def _gathered_against_cast(flags):
