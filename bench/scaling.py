@@ -44,7 +44,7 @@ LADDERS = {
 
 def plan_point(gpus: int, config: str, model_flags: list[str], global_batch: int, extra: list[str]) -> dict:
     """The planner's best layout and its prediction for one point; the train_mfu.py command that runs it."""
-    flags = _train_mfu_flags(config) + model_flags + ["--global-batch-size", str(global_batch)] + extra
+    flags = train_mfu_flags(config) + model_flags + ["--global-batch-size", str(global_batch)] + extra
     run, _ = parse_run_config(flags, "bench/scaling.py", world_size=gpus)
     train = run.train
     space = SearchSpace(framework="tessera", compiled=True, tp_comm_overlap=not train.fp8_format,  # FP8 refuses it
@@ -66,22 +66,28 @@ def plan_point(gpus: int, config: str, model_flags: list[str], global_batch: int
             "measured": None}
 
 
-def _train_mfu_flags(config: str) -> list[str]:
+def train_mfu_flags(config: str) -> list[str]:
     sys.path.insert(0, str(TRAIN_MFU.parent))
     from train_mfu import COMMON, CONFIGS
 
     return COMMON + CONFIGS[config] + ["--train-iters", "1"]
 
 
-def measure(point: dict) -> dict:
-    """Run one point's command; train_mfu.py's JSON result."""
+def measure(command: list[str]) -> dict:
+    """Run a train_mfu.py command (torchrun or not); its JSON result."""
     with tempfile.TemporaryDirectory() as work:
         out = Path(work) / "result.json"
-        command = point["command"]
         at = command.index("--")
         subprocess.run(command[:at] + ["--out", str(out)] + command[at:], check=True,
                        env={**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
         return json.loads(out.read_text())
+
+
+def write_json(target: Path, payload: dict) -> None:
+    """Under a temporary name, then renamed: a run cut short leaves the last complete file."""
+    partial = target.with_suffix(".json.tmp")
+    partial.write_text(json.dumps(payload, indent=1))
+    partial.replace(target)
 
 
 def draw(directory: Path) -> list[Path]:
@@ -119,11 +125,9 @@ def main() -> None:
     for point in points:
         print(" ".join(point["command"]), flush=True)
         if not args.dry_run:
-            point["measured"] = measure(point)
-        # Written after every point: a ladder cut short keeps what it measured (temporary name, then renamed).
-        partial = target.with_suffix(".json.tmp")
-        partial.write_text(json.dumps({"ladder": args.ladder, "extra": args.extra, "points": points}, indent=1))
-        partial.replace(target)
+            point["measured"] = measure(point["command"])
+        # After every point: a ladder cut short keeps what it measured.
+        write_json(target, {"ladder": args.ladder, "extra": args.extra, "points": points})
 
 
 if __name__ == "__main__":

@@ -79,3 +79,16 @@ def test_the_published_figures_still_draw(tmp_path):
     assert plan.main(["--published", "--figures", str(tmp_path)]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["strong_scaling.png", "weak_scaling.png"]
 
+
+
+def test_the_two_gpu_runs_are_runs_tessera_accepts_with_a_prediction_each():
+    import two_gpus
+
+    for name, (config, flags) in two_gpus.RUNS.items():
+        run, _ = parse_run_config(COMMON + CONFIGS[config] + ["--train-iters", "1"] + flags, "test", world_size=2)
+        parallel = run.parallel
+        assert parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size * \
+            parallel.context_parallel_size * run.data_parallel_size == 2, name
+    gathered, plain = (two_gpus.predict(*two_gpus.RUNS[name]) for name in ("B FP8 DP=2, --fp8-param-gather", "B FP8 DP=2"))
+    assert gathered["layout"]["fp8_param_gather"] and gathered["fits"]
+    assert gathered["time_s"]["dp_comm"] < plain["time_s"]["dp_comm"]
