@@ -24,7 +24,9 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from train_mfu import COMMON, CONFIGS  # noqa: E402
 from tessera.cli.args import parse_run_config  # noqa: E402
 from tessera.perf.cluster import CLUSTERS  # noqa: E402
 from tessera.perf.kernels import load_curves  # noqa: E402
@@ -67,9 +69,7 @@ def plan_point(gpus: int, config: str, model_flags: list[str], global_batch: int
 
 
 def train_mfu_flags(config: str) -> list[str]:
-    sys.path.insert(0, str(TRAIN_MFU.parent))
-    from train_mfu import COMMON, CONFIGS
-
+    """What bench/train_mfu.py runs for `config` before the flags given after its `--`."""
     return COMMON + CONFIGS[config] + ["--train-iters", "1"]
 
 
