@@ -53,11 +53,13 @@ class RunConfig:
         # The chunked GEMMs run outside Fp8Linear's scaling and FP8 backward.
         require(not (parallel.tp_comm_overlap and train.fp8_format),
                 "--tp-comm-overlap with --fp8-format is not supported")
-        # The weights' E4M3 copies are cast by the distributed optimizer, slice by slice (FSDP2
-        # would need them as DTensor subclasses that cast themselves before its all-gather).
-        require(not train.fp8_param_gather or parallel.use_distributed_optimizer,
-                "--fp8-param-gather needs --use-distributed-optimizer" + (
-                    " (with --use-torch-fsdp2 the weights are gathered in bf16)" if parallel.use_torch_fsdp2 else ""))
+        # The weights' E4M3 copies are cast by the distributed optimizer, slice by slice, or for
+        # FSDP2's gathers shard by shard (tessera.parallel.fsdp_fp8).
+        require(not train.fp8_param_gather or parallel.use_distributed_optimizer or parallel.use_torch_fsdp2,
+                "--fp8-param-gather needs --use-distributed-optimizer or --use-torch-fsdp2")
+        # Dynamo would have to trace the gathered weight, a tensor subclass, through the FP8 GEMMs.
+        require(not (train.fp8_param_gather and parallel.use_torch_fsdp2 and train.compile),
+                "--fp8-param-gather with --use-torch-fsdp2 does not combine with --compile (use --no-compile)")
         # As Megatron: the moments' dtypes are the distributed optimizer's (its own AdamW kernel).
         require(not self.optim.use_precision_aware_optimizer or parallel.use_distributed_optimizer,
                 "--use-precision-aware-optimizer needs --use-distributed-optimizer")

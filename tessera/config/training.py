@@ -83,8 +83,8 @@ class TrainConfig:
     no_fp8_wgrad: bool = option(False, "compute the weight gradients in bf16, not FP8", group=FP8)
     fp8_experts: bool = option(False, "the MoE experts' grouped GEMMs in FP8 too, scaled per row: faster for "
                                "coarse experts, slower for fine-grained ones (docs/moe.md)", group=FP8)
-    fp8_param_gather: bool = option(False, "the distributed optimizer all-gathers the FP8 linears' weights in FP8 "
-                                    "(half the bytes) and the layers read them instead of casting", group=FP8)
+    fp8_param_gather: bool = option(False, "the distributed optimizer or FSDP2 all-gathers the FP8 linears' weights "
+                                    "in FP8 (half the bytes) and the layers read them instead of casting", group=FP8)
     recompute_granularity: str | None = option(None, "activation recomputation", ("full", "selective"))
     recompute_method: str | None = option(None, "which layers --recompute-granularity full recomputes", ("uniform", "block"))
     recompute_num_layers: int | None = option(None, "layers per recompute chunk (uniform) or recomputed layers (block)")

@@ -75,7 +75,8 @@ def linear_by(matmul: type[torch.autograd.Function], layer: nn.Module, x: torch.
 
 class Fp8Gemm(nn.Module):
     """What the FP8 GEMM modules share: with --fp8-param-gather, the weight's E4M3 copy that the
-    distributed optimizer gathers (tessera.parallel.fp8_gather), read instead of casting the weight.
+    distributed optimizer (tessera.parallel.fp8_gather) or FSDP2 (tessera.parallel.fsdp_fp8)
+    gathers, read instead of casting the weight.
 
     A subclass says how its weights are scaled: `weight_block` (None: one scale for the whole
     tensor, else square blocks of that size) and `weight_scales`, the scales of many weights
@@ -93,6 +94,16 @@ class Fp8Gemm(nn.Module):
     def attach_fp8_weight(self, data: torch.Tensor, scale: torch.Tensor) -> None:
         """Read the weight from `data` (E4M3, the weight's shape) and its scales from `scale`."""
         self.weight_fp8, self.weight_fp8_scale = data, scale
+
+    def gathered(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The weight's E4M3 copy and its scales as gathered: by the distributed optimizer (attached
+        here), or by FSDP2 (the weight is one: tessera.parallel.fsdp_fp8.GatheredFp8Weight); None
+        where the layer casts the weight itself."""
+        if self.weight_fp8 is not None:
+            return self.weight_fp8, self.weight_fp8_scale
+        if hasattr(weight, "e4m3"):
+            return weight.e4m3, weight.e4m3_scale
+        return None
 
 
 class Fp8Linear(Fp8Gemm):
@@ -148,8 +159,9 @@ class Fp8Linear(Fp8Gemm):
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """The weight in E4M3 and its scale: the gathered copy with --fp8-param-gather, else cast now
         (in the backward with the forward's scale, giving the forward's bits)."""
-        if self.weight_fp8 is not None:
-            return self.weight_fp8, self.weight_fp8_scale.reshape(())
+        gathered = self.gathered(weight)
+        if gathered is not None:
+            return gathered[0], gathered[1].reshape(())
         if scale is None:
             scale = self.scale(WEIGHT, weight, E4M3)
         return quantize(weight, scale, E4M3), scale

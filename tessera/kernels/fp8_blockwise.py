@@ -120,9 +120,8 @@ class BlockwiseFp8Linear(Fp8Gemm):
 
     def quantized_weight(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The weight's E4M3 blocks and their inverse scales: gathered, or cast now."""
-        if self.weight_fp8 is not None:
-            return self.weight_fp8, self.weight_fp8_scale
-        return quantize_blocks(weight)
+        gathered = self.gathered(weight)
+        return gathered if gathered is not None else quantize_blocks(weight)
 
 
 class _BlockwiseMatmul(torch.autograd.Function):

@@ -54,10 +54,16 @@ class Fp8Weights:
     @torch.no_grad()
     def quantize(self) -> None:
         """Cast this rank's slices with the scales of the whole weights (before their gather)."""
-        amaxes = torch.zeros_like(self.stored_scales)
-        self.slices.amax(amaxes)
-        if self.group is not None:
-            dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=self.group)
-        scales, stored = type(self.layers[0]).weight_scales(self.layers, amaxes)
-        self.stored_scales.copy_(stored)
-        self.slices.cast(scales)
+        quantize_slices(self.slices, self.layers, self.stored_scales, self.group)
+
+
+def quantize_slices(slices: WeightSlices, layers: list[nn.Module], stored_scales: torch.Tensor, group) -> None:
+    """Cast `slices` with the scales of their whole weights: each rank's amaxes per scaling block,
+    their MAX over `group`, the layers' scales from them (stored as the GEMMs take them)."""
+    amaxes = torch.zeros_like(stored_scales)
+    slices.amax(amaxes)
+    if group is not None:
+        dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
+    scales, stored = type(layers[0]).weight_scales(layers, amaxes)
+    stored_scales.copy_(stored)
+    slices.cast(scales)

@@ -13,12 +13,17 @@ the rest of the block over data parallelism.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from torch import nn
 
+from tessera.parallel.fsdp_fp8 import wrap_fp8_weights
 from tessera.parallel.mesh import Mesh
 
 
-def apply_fsdp2(model: nn.Module, mesh: Mesh, *, reshard_after_forward: bool = True) -> nn.Module:
+def apply_fsdp2(model: nn.Module, mesh: Mesh, *, reshard_after_forward: bool = True,
+                fp8_weights: Collection[nn.Parameter] = ()) -> nn.Module:
+    """`fp8_weights` (--fp8-param-gather): the FP8 linears' weights, gathered in E4M3 (tessera.parallel.fsdp_fp8)."""
     from torch.distributed.fsdp import fully_shard
 
     # Context-parallel ranks hold other tokens of the same samples: their gradients are summed
@@ -27,6 +32,7 @@ def apply_fsdp2(model: nn.Module, mesh: Mesh, *, reshard_after_forward: bool = T
     # fully_shard replaces every parameter by a new DTensor parameter: carry over what the
     # rest of tessera attached to the old ones (ShardSpec, sequence-parallel marks, ...).
     attributes = {name: dict(param.__dict__) for name, param in model.named_parameters()}
+    wrap_fp8_weights(model, set(fp8_weights))
     units = []
     if not mesh.experts_follow_data_parallel:   # experts have replicas of their own
         units = [moe.experts for moe in model.moe_layers().values()]

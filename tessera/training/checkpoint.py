@@ -372,6 +372,7 @@ class Checkpointer:
         # Delayed scaling's scales first: storing the masters casts the weights that
         # --fp8-param-gather gathers in E4M3, with these scales.
         missing = [] if weights_only else restore_fp8_scaling(trainer.model, state)
+        trainer.optimizer.cast_fp8_shards()   # FSDP2's E4M3 shards, from the weights just loaded
         masters = master_weights(trainer.optimizer)
         if masters:  # fp32 masters read from the same (fp32) weights, not from the bf16 copy
             dcp.load(master_state(trainer.model, masters), storage_reader=dcp.FileSystemReader(directory),

@@ -13,7 +13,8 @@ MoE expert weights are reduced over their own group, expert data parallelism (th
 holding the same experts): they get a gradient buffer of their own, unless that group is
 the data-parallel group itself (no expert parallelism, expert-TP = TP). With
 --fp8-param-gather the FP8 linears' weights get one too (gathered in E4M3:
-tessera.parallel.fp8_gather).
+tessera.parallel.fp8_gather); under FSDP2 their shards are cast after each step for FSDP2's
+gathers (tessera.parallel.fsdp_fp8).
 
 The gradient norm counts every element of the model exactly once, summed over all ranks:
 grads sharded over tensor-parallel ranks count their own elements; grads replicated over
@@ -34,6 +35,7 @@ from torch import nn
 from tessera.config import OptimConfig, ParallelConfig
 from tessera.kernels.sum_of_squares import sum_of_squares
 from tessera.parallel.ddp import GradBuffer, default_bucket_size
+from tessera.parallel.fsdp_fp8 import Fp8Shards
 from tessera.parallel.mesh import Mesh
 from tessera.parallel.pipeline import PipelineGroups, sum_tied_grads
 from tessera.parallel.sharding import allreduce_sequence_parallel_grads
@@ -55,8 +57,11 @@ class TrainingOptimizer:
     """Zero grads, reduce them, measure their global norm, and step AdamW."""
 
     def __init__(self, model: nn.Module, optim: OptimConfig, mesh: Mesh, *, buffers: list[GradBuffer],
-                 inner, dp_sharded: bool, pipeline: PipelineGroups | None = None):
+                 inner, dp_sharded: bool, pipeline: PipelineGroups | None = None, fp8_shards: Fp8Shards | None = None):
+        """`fp8_shards` (--fp8-param-gather under FSDP2): cast to E4M3 now and after every step."""
         self.model, self.optim, self.mesh, self.buffers, self.inner = model, optim, mesh, buffers, inner
+        self.fp8_shards = fp8_shards
+        self.cast_fp8_shards()
         self.dp_sharded = dp_sharded  # each rank holds only its slice of the reduced grads
         self.pipeline = pipeline
         self._buffer_of = {param: grads for grads in buffers for param in grads.ranges}
@@ -173,7 +178,14 @@ class TrainingOptimizer:
         optimizer.found_inf = (~torch.isfinite(norm)).float()
         optimizer.grad_scale = loss_scale / clip
         self.inner.step()
+        self.cast_fp8_shards()
         return norm
+
+    def cast_fp8_shards(self) -> None:
+        """--fp8-param-gather under FSDP2: cast the FP8 linears' weight shards for FSDP2's next
+        gathers (after every change of the weights: a step, a checkpoint load)."""
+        if self.fp8_shards is not None:
+            self.fp8_shards.quantize()
 
     @property
     def found_inf(self) -> torch.Tensor:
@@ -197,7 +209,7 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, parallel: ParallelConf
     params = [p for p in model.parameters() if p.requires_grad]
     if parallel.use_torch_fsdp2:
         return TrainingOptimizer(model, optim, mesh, buffers=[], inner=_adamw(params, optim), dp_sharded=True,
-                                 pipeline=pipeline)
+                                 pipeline=pipeline, fp8_shards=Fp8Shards(fp8_gathered) if fp8_gathered else None)
     if mesh.dp_size * mesh.cp_size == 1 and mesh.edp_size == 1 and not parallel.use_distributed_optimizer:
         # Nothing to reduce: plain .grad tensors, freed rather than zeroed between steps.
         return TrainingOptimizer(model, optim, mesh, buffers=[], inner=_adamw(params, optim), dp_sharded=False,

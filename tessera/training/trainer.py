@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from tessera.config import RunConfig
+from tessera.config import ConfigError, RunConfig
 from tessera.models.documents import default_backend
 from tessera.models.gpt import GPTModel, Recompute, initialize_parameters
 from tessera.parallel.context import ContextParallel
@@ -103,9 +103,12 @@ class Trainer:
                               per_layer=train.moe_per_layer_logging)
         self.losses = LossTerms(config.model, self.mesh, self.device)
         if train.compile if train.compile is not None else self.device.type == "cuda":
+            if parallel.use_torch_fsdp2 and train.fp8_param_gather:   # compiled on CUDA unless told otherwise
+                raise ConfigError("--fp8-param-gather with --use-torch-fsdp2 does not combine with torch.compile "
+                                  "(use --no-compile)")
             self._compile()
         if parallel.use_torch_fsdp2:
-            apply_fsdp2(self.model, self.mesh)
+            apply_fsdp2(self.model, self.mesh, fp8_weights=fp8.gathered_weights(self.model) if train.fp8_param_gather else ())
         self.pipeline = PipelineGroups.build(self.mesh, shared_embedding=config.model.last_stage_embedding) \
             if self.mesh.pp_size > 1 else None
         self.optimizer = build_optimizer(self.model, config.optim, parallel, self.mesh, bf16=train.bf16,
