@@ -61,6 +61,9 @@ class ShardedFp8Weight(torch.Tensor):
     def __repr__(self) -> str:
         return f"ShardedFp8Weight({self.data_})"
 
+    def __reduce_ex__(self, protocol):   # saved (checkpoints) as its values: a plain tensor
+        return self.data_.__reduce_ex__(protocol)
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         shard = next(t for t in tree_leaves((args, kwargs)) if isinstance(t, cls))   # also in lists (foreach ops)

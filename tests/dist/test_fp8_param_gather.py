@@ -183,3 +183,15 @@ def test_fsdp2_gathers_what_each_layer_would_cast_in_one_byte_an_element(flags, 
         assert torch.equal(gathered, cast)
         assert torch.equal(scale.reshape(cast_scale.shape), cast_scale)
         assert one_byte
+
+
+def _interrupted_and_uninterrupted(flags, directory):
+    from tests.dist.test_checkpoint import interrupted_and_uninterrupted
+    return _with_fp8_on_cpu(interrupted_and_uninterrupted, flags, directory)
+
+
+def test_fsdp2_resumes_exactly(tmp_path):
+    # The loaded weights are cast for FSDP2's gathers with the loaded amax history's scales.
+    expected, resumed = run_distributed(_interrupted_and_uninterrupted, 2, DELAYED + FSDP2 + ["--fp8-param-gather"],
+                                        str(tmp_path))[0]
+    assert resumed == expected

@@ -154,11 +154,11 @@ def test_bad_fp8_settings_name_their_flags(flags, message):
 
 
 @pytest.mark.parametrize("flags, message", [
-    ([], "--fp8-param-gather needs --use-distributed-optimizer"),
-    (["--use-torch-fsdp2"], "--fp8-param-gather needs --use-distributed-optimizer (with --use-torch-fsdp2 the "
-                            "weights are gathered in bf16)"),
+    ([], "--fp8-param-gather needs --use-distributed-optimizer or --use-torch-fsdp2"),
+    (["--use-torch-fsdp2", "--compile"], "--fp8-param-gather with --use-torch-fsdp2 does not combine with --compile "
+                                         "(use --no-compile)"),
 ])
-def test_fp8_param_gather_needs_the_distributed_optimizer(flags, message, capsys):
+def test_fp8_param_gather_needs_a_sharded_layout_and_no_compile_under_fsdp2(flags, message, capsys):
     with pytest.raises(SystemExit):
         run_config("--bf16", "--fp8-format", "hybrid", "--fp8-param-gather", *flags)
     assert capsys.readouterr().err.strip().endswith(f"error: {message}")
