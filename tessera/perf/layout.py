@@ -206,6 +206,8 @@ class Layout:
             flags.append("--fp8-experts")
         if self.fp8_format and self.fp8_param_gather:
             flags.append("--fp8-param-gather")
+            if self.fsdp:   # FSDP2's E4M3 gathers run uncompiled (tessera.config.run)
+                flags.append("--no-compile")
         return flags
 
 
@@ -235,9 +237,12 @@ def check_layout(model: ModelConfig, layout: Layout, global_batch_size: int, seq
     _check_experts(model, layout)
     if layout.fp8_format is not None or layout.fp8_param_gather:   # tessera train's own FP8 checks, in its words
         TrainConfig(train_iters=1, bf16=True, **{name: getattr(layout, name) for name in FP8_FIELDS})
-    # The E4M3 copies are cast and gathered by the distributed optimizer (tessera.parallel.fp8_gather).
-    require(not layout.fp8_param_gather or layout.distributed_optimizer,
-            "--fp8-param-gather needs --use-distributed-optimizer")
+    # The E4M3 copies are cast and gathered by the distributed optimizer (tessera.parallel.fp8_gather)
+    # or by FSDP2 (tessera.parallel.fsdp_fp8), uncompiled.
+    require(not layout.fp8_param_gather or layout.distributed_optimizer or layout.fsdp,
+            "--fp8-param-gather needs --use-distributed-optimizer or --use-torch-fsdp2")
+    require(not (layout.fp8_param_gather and layout.fsdp and layout.compiled),
+            "--fp8-param-gather with --use-torch-fsdp2 does not combine with --compile (use --no-compile)")
     if vp > 1:
         micro_batches = layout.num_micro_batches(global_batch_size)
         require(micro_batches % pp == 0,

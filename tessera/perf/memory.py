@@ -318,8 +318,8 @@ def _stage_memory(model: ModelConfig, layout: Layout, global_batch_size: int, se
     dense_bytes = _state_bytes_per_parameter(layout, num_micro_batches, layout.dp * layout.cp)
     expert_bytes = _state_bytes_per_parameter(layout, num_micro_batches, layout.edp)
     weights, gradients, optimizer = (d * params.dense + e * params.experts for d, e in zip(dense_bytes, expert_bytes))
-    if layout.fp8_param_gather:   # the E4M3 copy the optimizer gathers into, beside the bf16 weights
-        weights += params.fp8_linears
+    if layout.fp8_param_gather:   # the E4M3 copy gathered into, beside the bf16 weights (FSDP2: its shard)
+        weights += params.fp8_linears / (layout.dp * layout.cp) if layout.fsdp else params.fp8_linears
     moe = model.moe_layers()
     layers = layout.rank_layers(model.num_layers)[pp_rank]
     buffers = 0.0

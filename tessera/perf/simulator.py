@@ -376,10 +376,11 @@ def _data_parallel(step: Phase, steps: StepModel, layout: Layout, params: StageP
         _, gather_bytes, ranks, per_node, _ = groups[0]
         bucket = max(40e6, 1e6 * layout.dp) / layout.tp  # Megatron's default bucket, in this GPU's params
         if layout.fsdp:
-            # Per layer and micro-batch: gather bf16 weights for forward and again for backward,
-            # reduce-scatter fp32 gradients; prefetching hides them behind the layer's compute.
-            gather = [(cluster.all_gather(count / len(layers) * PARAM_GATHER_BYTES, r, n), link)
-                      for count, _, r, n, link in groups]
+            # Per layer and micro-batch: gather bf16 weights (the FP8 linears' in E4M3 with
+            # --fp8-param-gather) for forward and again for backward, reduce-scatter fp32
+            # gradients; prefetching hides them behind the layer's compute.
+            gather = [(cluster.all_gather(count / len(layers) * nbytes, r, n), link)
+                      for count, nbytes, r, n, link in groups]
             scatter = [(cluster.reduce_scatter(count / len(layers) * GRAD_BYTES, r, n), link)
                        for count, _, r, n, link in groups]
             layer_fwd = sum(fwd.total for fwd, _ in layers) / len(layers)

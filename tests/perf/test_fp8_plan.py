@@ -257,6 +257,21 @@ def test_fp8_param_gather_moves_the_fp8_linears_weights_in_one_byte(bf16_ends, f
     assert gathered.step_time < without.step_time
 
 
+def test_fsdp2_gathers_the_fp8_linears_weights_in_one_byte_too():
+    # FSDP2 gathers every layer's weights in the forward and again in the backward: the FP8 linears'
+    # in E4M3 with the flag; each rank keeps only its shard of the E4M3 copy, and runs uncompiled.
+    dgx, model = CLUSTERS["dgx-h100"], llama()
+    layout = fp8("tensorwise", dp=16, fsdp=True)
+    curves = load_curves(gpu_name="H100")
+    without = predict(model, layout, dgx, curves, 16, S)
+    gathered = predict(model, replace(layout, fp8_param_gather=True), dgx, curves, 16, S)
+    assert gathered.breakdown["dp_comm"] < without.breakdown["dp_comm"]
+    assert gathered.memory.weights - without.memory.weights == pytest.approx(L * FP8_LINEARS / 16)
+    assert "--no-compile" in replace(layout, fp8_param_gather=True).flags()
+    with pytest.raises(ConfigError, match="--fp8-param-gather with --use-torch-fsdp2 does not combine with --compile"):
+        check_layout(model, replace(layout, fp8_param_gather=True, compiled=True), 16, S)
+
+
 @pytest.mark.parametrize("preset, changes", [("tiny-llama", {}), ("tiny-deepseek", {}),
                                              ("tiny-deepseek", {"q_lora_rank": None})])
 def test_the_fp8_linears_weights_are_those_tessera_train_gathers_in_e4m3(preset, changes):
@@ -277,14 +292,14 @@ def test_the_fp8_linears_weights_are_those_tessera_train_gathers_in_e4m3(preset,
     assert planned == stage_parameters(config, replace(layout, tp=2), config.padded_vocab_size(), 0).fp8_linears * 2
 
 
-def test_fp8_param_gather_needs_fp8_and_the_distributed_optimizer():
+def test_fp8_param_gather_needs_fp8_and_the_distributed_optimizer_or_fsdp2():
     model = llama()
     for layout, named in [(Layout(dp=2, distributed_optimizer=True, fp8_param_gather=True), "--fp8-format"),
-                          (fp8(dp=2, fp8_param_gather=True), "--use-distributed-optimizer"),
-                          (fp8(dp=2, fsdp=True, fp8_param_gather=True), "--use-distributed-optimizer")]:
+                          (fp8(dp=2, fp8_param_gather=True), "--use-distributed-optimizer or --use-torch-fsdp2")]:
         with pytest.raises(ConfigError, match=f"--fp8-param-gather needs {named}"):
             check_layout(model, layout, 2, S)
     check_layout(model, fp8(dp=2, distributed_optimizer=True, fp8_param_gather=True), 2, S)
+    check_layout(model, fp8(dp=2, fsdp=True, fp8_param_gather=True), 2, S)
 
 
 def test_the_plan_cli_takes_fp8_param_gather_and_hands_it_on(capsys):
