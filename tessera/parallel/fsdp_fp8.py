@@ -71,8 +71,10 @@ class ShardedFp8Weight(torch.Tensor):
         out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
         returns = func._schema.returns
         alias = returns[0].alias_info if len(returns) == 1 else None
-        if alias is not None and alias.is_write:   # in place: the same shard
-            return args[0]
+        if alias is not None and alias.is_write:   # in place (or out=): the tensor written, as given
+            written = next(i for i, arg in enumerate(func._schema.arguments)
+                           if arg.alias_info is not None and arg.alias_info.before_set == alias.before_set)
+            return args[written] if written < len(args) else kwargs[func._schema.arguments[written].name]
         if alias is not None or func in _ALLOCATIONS:   # a view of the shard, or FSDP2's padded copy
             return tree_map(lambda t: cls(t, shard.fp8) if isinstance(t, torch.Tensor) else t, out)
         return out   # arithmetic: plain values

@@ -45,7 +45,8 @@ FSDP2 = ["--use-torch-fsdp2"]
 # FSDP2 gathers each block's weights whole (their E4M3 shards, cast after the step), and computes
 # what its bf16 gathers do bit for bit: the reductions are the same with or without the flag.
 FSDP2_LAYOUTS = {
-    "tensorwise": (TENSORWISE, [(2, FSDP2), (4, FSDP2 + ["--tensor-model-parallel-size", "2", "--ffn-hidden-size", "192"])]),
+    "tensorwise": (TENSORWISE, [(2, FSDP2),
+                                (4, FSDP2 + ["--tensor-model-parallel-size", "2", "--ffn-hidden-size", "192"])]),
     "delayed": (DELAYED, [(2, FSDP2)]),
     # 3 ranks: 256-row weights cut inside a 128-block, and uneven shards (FSDP2 pads the last).
     "blockwise": (BLOCKWISE, [(3, FSDP2 + ["--global-batch-size", "18"])]),
