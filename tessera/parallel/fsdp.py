@@ -9,6 +9,8 @@ split the maths, FSDP2 splits the storage along the data-parallel dimension only
 With expert parallelism a MoE layer's experts are wrapped first, on their own: they are
 sharded and reduced over expert data parallelism (the ranks holding the same experts),
 the rest of the block over data parallelism.
+
+With --fp8-param-gather the FP8 linears' weights are gathered in E4M3 (tessera.parallel.fsdp_fp8).
 """
 
 from __future__ import annotations
