@@ -19,7 +19,7 @@ gather in the forward and the backward then only sends the bytes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -40,9 +40,9 @@ class Fp8Shard:
     """A weight's shard in E4M3, padded as FSDP2 pads the shard, and the whole weight's scales
     (one, or one per 128x128 block: as the layer's GEMMs take them)."""
 
-    rows: int                                  # of the whole weight
-    data: torch.Tensor = field(default=None)   # uint8 (padded shard rows, cols)
-    scale: torch.Tensor = field(default=None)
+    rows: int                         # of the whole weight
+    data: torch.Tensor | None = None   # uint8 (padded shard rows, cols); set by Fp8Shards
+    scale: torch.Tensor | None = None
 
 
 class ShardedFp8Weight(torch.Tensor):
@@ -79,15 +79,17 @@ class ShardedFp8Weight(torch.Tensor):
             return tree_map(lambda t: cls(t, shard.fp8) if isinstance(t, torch.Tensor) else t, out)
         return out   # arithmetic: plain values
 
-    # FSDP2's all-gather extension. The one-argument form: every torch with FSDP2 calls it.
+    # FSDP2's all-gather extension, in the one-argument form: the only one early FSDP2
+    # (torch.distributed._composable.fsdp) calls, and still taken beside the five-argument one.
+    # Early FSDP2 also refuses uneven shards (dim 0 not divisible by the ranks) with extensions.
     def fsdp_pre_all_gather(self, mesh):
         return (self.fp8.data,), (self.fp8.scale.clone(),)
 
     def fsdp_post_all_gather(self, outputs: tuple[torch.Tensor, ...], metadata: tuple[torch.Tensor, ...],
                              param_dtype: torch.dtype, *, out: torch.Tensor | None = None):
         (gathered,), (scale,) = outputs, metadata
-        if out is not None:   # a later gather into the same storage: only the scales are new (a new
-            out.e4m3_scale = scale   # tensor: the forward's autograd saved the old one)
+        if out is not None:   # a later gather into the same storage: only the scales are new
+            out.e4m3_scale = scale   # rebound, not copied into: the forward saved the old one for its backward
             return None
         weight = gathered[:self.fp8.rows].view(E4M3)   # less the padding of the last shards
         return GatheredFp8Weight(weight, scale, param_dtype), (gathered,)
