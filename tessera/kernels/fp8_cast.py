@@ -9,7 +9,7 @@ amaxes are torch._foreach_norm's): a weight's slices and scales never move, so t
 addresses are tabled once, and a step's ~100 weights need no launches each (the eager ops took
 ~12 launches a weight, 4.7% of config B's FP8 step on an H200). The cast is quantize()'s:
 x x scale, saturated to +-448, rounded to nearest even; elsewhere (CPU, and fp32 weights: FSDP2's
-under --fp8-param-gather) it runs in those torch ops, slice by slice.
+without --bf16) it runs in those torch ops, slice by slice.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class WeightSlices:
         self._first_scales = torch.tensor([s.first_scale for s in slices], dtype=torch.int64,
                                           device=slices[0].source.device if slices else None)
         self._programs = None
-        # The kernels read bf16 (the distributed optimizer's weights); FSDP2's fp32 shards take the torch ops.
+        # The kernels read bf16 weights; fp32 ones (FSDP2 without --bf16) take the torch ops.
         if slices and triton is not None and slices[0].source.is_cuda and slices[0].source.dtype == torch.bfloat16:
             self._table, self._programs = _tables(slices)
             if self.block is not None:

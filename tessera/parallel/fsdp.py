@@ -10,13 +10,17 @@ With expert parallelism a MoE layer's experts are wrapped first, on their own: t
 sharded and reduced over expert data parallelism (the ranks holding the same experts),
 the rest of the block over data parallelism.
 
-With --fp8-param-gather the FP8 linears' weights are gathered in E4M3 (tessera.parallel.fsdp_fp8).
+With --bf16 the shards stay fp32 (the optimizer's masters) and FSDP2 gathers them in bf16 for the
+forward and backward, and reduce-scatters the gradients in fp32 (its MixedPrecisionPolicy): the
+weights the layers compute with are those autocast would cast, in half the bytes of an fp32
+gather. With --fp8-param-gather the FP8 linears' weights are gathered in E4M3 (tessera.parallel.fsdp_fp8).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
 
+import torch
 from torch import nn
 
 from tessera.parallel.fsdp_fp8 import wrap_fp8_weights
@@ -24,9 +28,13 @@ from tessera.parallel.mesh import Mesh
 
 
 def apply_fsdp2(model: nn.Module, mesh: Mesh, *, reshard_after_forward: bool = True,
-                fp8_weights: Collection[nn.Parameter] = ()) -> nn.Module:
-    """`fp8_weights` (--fp8-param-gather): the FP8 linears' weights, gathered in E4M3 (tessera.parallel.fsdp_fp8)."""
-    from torch.distributed.fsdp import fully_shard
+                param_dtype: torch.dtype | None = None, fp8_weights: Collection[nn.Parameter] = ()) -> nn.Module:
+    """`param_dtype`: the dtype the weights are gathered in (None: theirs); `fp8_weights`
+    (--fp8-param-gather): the FP8 linears' weights, gathered in E4M3 (tessera.parallel.fsdp_fp8)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    options = dict(reshard_after_forward=reshard_after_forward,
+                   mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32))
 
     # Context-parallel ranks hold other tokens of the same samples: their gradients are summed
     # and their shards split over data x context parallelism, as the DDP buffers are.
@@ -39,11 +47,11 @@ def apply_fsdp2(model: nn.Module, mesh: Mesh, *, reshard_after_forward: bool = T
     if not mesh.experts_follow_data_parallel:   # experts have replicas of their own
         units = [moe.experts for moe in model.moe_layers().values()]
         for experts in units:
-            fully_shard(experts, mesh=mesh.expert_mesh["edp"], reshard_after_forward=reshard_after_forward)
+            fully_shard(experts, mesh=mesh.expert_mesh["edp"], **options)
     units += list(model.layers)
     for layer in model.layers:
-        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, mesh=dp_mesh, **options)
+    fully_shard(model, mesh=dp_mesh, **options)
     # The trainer divides each rank's loss by the tokens of the whole global batch, so the
     # gradients must be summed over ranks, not averaged (FSDP2's default).
     for module in [*units, model]:

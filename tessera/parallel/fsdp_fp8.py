@@ -133,9 +133,12 @@ def wrap_fp8_weights(model: nn.Module, weights) -> None:
 class Fp8Shards:
     """Every FP8 linear's FSDP2 shard, cast to E4M3 with the scales of the whole weights."""
 
-    def __init__(self, weights: dict[nn.Parameter, nn.Module]):
+    def __init__(self, weights: dict[nn.Parameter, nn.Module], gather_dtype: torch.dtype):
         """`weights`: the FSDP2 (DTensor) parameters over ShardedFp8Weights, each with its FP8 GEMM
-        module (one recipe for all)."""
+        module (one recipe for all); `gather_dtype`: what FSDP2 gathers the other weights in. The
+        E4M3 bytes are cast from the shards rounded to it (bf16 under --bf16), as each layer would
+        cast such a gathered weight."""
+        self.gather_dtype = gather_dtype
         self.params = list(weights)
         self.layers = [weights[param] for param in self.params]
         self.group = self.params[0].device_mesh.get_group()
@@ -151,21 +154,25 @@ class Fp8Shards:
             fp8 = param.to_local().fp8
             fp8.data = torch.zeros(-(-rows // ranks), cols, dtype=torch.uint8, device=device)   # FSDP2's padding
             fp8.scale = scales.view(shape)
-        self._slices, self._sources = None, None
+        self._slices, self._shards, self._rounded = None, None, None
 
     def _current_slices(self) -> WeightSlices:
-        """This rank's shards as cast slices; again when FSDP2 has moved a shard (it pads an uneven
-        one anew at its first forward)."""
+        """This rank's shards (rounded to the gather dtype) as cast slices; tabled again when FSDP2
+        has moved a shard (it pads an uneven one anew at its first forward)."""
         locals_ = [param.to_local() for param in self.params]
-        sources = [local.data_ for local in locals_]
-        pointers = [source.data_ptr() for source in sources]
-        if pointers != self._sources:
-            self._sources = pointers
+        shards = [local.data_ for local in locals_]
+        if [shard.data_ptr() for shard in shards] != self._shards:
+            self._shards = [shard.data_ptr() for shard in shards]
+            self._rounded = [shard if shard.dtype == self.gather_dtype else torch.empty_like(shard, dtype=self.gather_dtype)
+                             for shard in shards]
             self._slices = WeightSlices([
                 Slice(source.reshape(-1), local.fp8.data.view(-1)[:source.numel()].view(E4M3),
                       _row_offset(param) * param.shape[1], param.shape, self.block, first)
-                for param, local, source, first in zip(self.params, locals_, sources, self.first_scales)
+                for param, local, source, first in zip(self.params, locals_, self._rounded, self.first_scales)
                 if source.numel()])
+        copies = [(rounded, shard) for rounded, shard in zip(self._rounded, shards) if rounded is not shard]
+        if copies:
+            torch._foreach_copy_(*map(list, zip(*copies)))
         return self._slices
 
     @torch.no_grad()

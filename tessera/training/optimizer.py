@@ -208,8 +208,9 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, parallel: ParallelConf
     each with its FP8 GEMM module."""
     params = [p for p in model.parameters() if p.requires_grad]
     if parallel.use_torch_fsdp2:
+        shards = Fp8Shards(fp8_gathered, torch.bfloat16 if bf16 else torch.float32) if fp8_gathered else None
         return TrainingOptimizer(model, optim, mesh, buffers=[], inner=_adamw(params, optim), dp_sharded=True,
-                                 pipeline=pipeline, fp8_shards=Fp8Shards(fp8_gathered) if fp8_gathered else None)
+                                 pipeline=pipeline, fp8_shards=shards)
     if mesh.dp_size * mesh.cp_size == 1 and mesh.edp_size == 1 and not parallel.use_distributed_optimizer:
         # Nothing to reduce: plain .grad tensors, freed rather than zeroed between steps.
         return TrainingOptimizer(model, optim, mesh, buffers=[], inner=_adamw(params, optim), dp_sharded=False,

@@ -108,7 +108,7 @@ class Trainer:
                                   "(use --no-compile)")
             self._compile()
         if parallel.use_torch_fsdp2:
-            apply_fsdp2(self.model, self.mesh,
+            apply_fsdp2(self.model, self.mesh, param_dtype=torch.bfloat16 if train.bf16 else None,
                         fp8_weights=fp8.gathered_weights(self.model) if train.fp8_param_gather else ())
         self.pipeline = PipelineGroups.build(self.mesh, shared_embedding=config.model.last_stage_embedding) \
             if self.mesh.pp_size > 1 else None

@@ -2,7 +2,10 @@
 combined, against single-process training."""
 
 import pytest
+import torch
 
+from tessera.cli.args import parse_run_config
+from tessera.training.trainer import Trainer
 from tests.dist.equivalence import assert_equivalent, late_parameter_gathers, train
 from tests.dist.launcher import run_distributed
 from tests.dist import equivalence
@@ -128,4 +131,29 @@ def test_bf16_moments_shard_like_fp32_ones():
     # ~1e-5 of a weight's norm in 5 steps (1.06e-5 on one x86 CPU, below 1e-5 on earlier ones); a slice
     # stepped wrongly would be off by far more.
     assert_equivalent(train(flags), results[0]["bf16 moments"], "DP=2 distributed optimizer, bf16 moments",
+                      params_rtol=1e-4)
+
+
+def _bf16_gathers(flags: list[str]) -> tuple[dict, set, set]:
+    """A run's results, the dtypes of the weights a block computes with (its forward's), and of its shards."""
+    config, _ = parse_run_config(equivalence.BASE + flags, "test", world_size=2)
+    trainer = Trainer(config)
+    block = trainer.model.layers[0]
+    computed = set()
+    block.register_forward_pre_hook(lambda module, args: computed.update(p.dtype for p in module.parameters()))
+    results = equivalence.result(trainer, trainer.train())
+    return results, computed, {p.dtype for p in block.parameters()}
+
+
+def test_fsdp2_computes_with_bf16_gathers_as_the_distributed_optimizer_with_bf16_weights():
+    """--bf16 under FSDP2: the fp32 shards are gathered in bf16 and the gradients reduced in fp32, as the
+    distributed optimizer's bf16 weights and fp32 gradient sums (--accumulate-allreduce-grads-in-fp32) do."""
+    fsdp2, computed, sharded = run_distributed(_bf16_gathers, 2, ["--bf16", "--use-torch-fsdp2"])[0]
+    assert computed == {torch.bfloat16} and sharded == {torch.float32}
+    distributed = run_distributed(equivalence.train_layouts, 2, {"dist-opt": [
+        "--bf16", "--use-distributed-optimizer", "--accumulate-allreduce-grads-in-fp32"]})[0]["dist-opt"]
+    # The distributed optimizer's model holds its fp32 masters rounded to bf16, FSDP2's the masters
+    # themselves: compared rounded, where a master a few ulps off may round one bf16 ulp the other way.
+    fsdp2["params"] = {name: weight.bfloat16().float() for name, weight in fsdp2["params"].items()}
+    assert_equivalent(distributed, fsdp2, "DP=2 FSDP2 bf16 against the distributed optimizer's bf16 weights",
                       params_rtol=1e-4)

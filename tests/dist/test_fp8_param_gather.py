@@ -158,7 +158,8 @@ def _fsdp2_gathered_against_cast(flags):
     found = []
     for block in trainer.model.layers:
         linears = [module for module in block.modules() if getattr(module, "fp8", None) is not None]
-        whole = [module.weight.full_tensor().detach() for module in linears]   # the sharded fp32 weights
+        # The fp32 shards whole, in bf16 as FSDP2 gathers the other weights (--bf16) and the layer would cast them.
+        whole = [module.weight.full_tensor().detach().bfloat16() for module in linears]
         block.unshard()
         for module, weight in zip(linears, whole):
             gathered = module.weight
