@@ -6,7 +6,7 @@ FSDP2 asks a parameter's local shard how to be gathered when the shard's tensor 
 inner tensor for every op (the optimizer's update, state dicts, checkpoints) and, asked for
 the gather, hands over the E4M3 bytes of the shard in place of its values. The gathered
 weight is a `GatheredFp8Weight`: the E4M3 weight and its scales, which the layer's GEMMs read
-(tessera.kernels.fp8, `gathered_copy`) instead of casting; its gradient is an ordinary one in
+(tessera.kernels.fp8, `Fp8Gemm.gathered`) instead of casting; its gradient is an ordinary one in
 the weight's dtype, for FSDP2's reduce-scatter.
 
 The E4M3 bytes must be what the layer would cast from its whole weight, so a scale comes from
@@ -161,18 +161,19 @@ class Fp8Shards:
         has moved a shard (it pads an uneven one anew at its first forward)."""
         locals_ = [param.to_local() for param in self.params]
         shards = [local.data_ for local in locals_]
-        if [shard.data_ptr() for shard in shards] != self._shards:
-            self._shards = [shard.data_ptr() for shard in shards]
-            self._rounded = [shard if shard.dtype == self.gather_dtype else torch.empty_like(shard, dtype=self.gather_dtype)
-                             for shard in shards]
+        addresses = [shard.data_ptr() for shard in shards]
+        if addresses != self._shards:
+            self._shards = addresses
+            self._rounded = [shard if shard.dtype == self.gather_dtype
+                             else torch.empty_like(shard, dtype=self.gather_dtype) for shard in shards]
             self._slices = WeightSlices([
                 Slice(source.reshape(-1), local.fp8.data.view(-1)[:source.numel()].view(E4M3),
                       _row_offset(param) * param.shape[1], param.shape, self.block, first)
                 for param, local, source, first in zip(self.params, locals_, self._rounded, self.first_scales)
                 if source.numel()])
         copies = [(rounded, shard) for rounded, shard in zip(self._rounded, shards) if rounded is not shard]
-        if copies:
-            torch._foreach_copy_(*map(list, zip(*copies)))
+        if copies:   # one launch rounds them all
+            torch._foreach_copy_([rounded for rounded, _ in copies], [shard for _, shard in copies])
         return self._slices
 
     @torch.no_grad()
