@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import os
 import sys
 import types
@@ -42,9 +43,15 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    """A dataclass's resolved annotations, once: resolving them was most of building a parser."""
+    return typing.get_type_hints(cls)
+
+
 def _field_type(cls: type, field: dataclasses.Field) -> tuple[type, bool]:
     """(base type, is a list) of a field annotated `int`, `int | None`, `list[str]`..."""
-    hint = typing.get_type_hints(cls)[field.name]
+    hint = _type_hints(cls)[field.name]
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
     if typing.get_origin(hint) is list:
