@@ -59,6 +59,7 @@ from tessera.parallel.tensor import (
     VocabParallelEmbedding, column_parallel_linear, enable_comm_overlap, gather_from_tp_region,
     scatter_to_sequence_region, vocab_parallel_cross_entropy,
 )
+from tessera.parallel.tp_overlap import all_gather_matmul, eager
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,7 @@ class GPTModel(nn.Module):
         uses_rng = config.attention_dropout > 0 or (sp and config.hidden_dropout > 0)
         self._recompute_rng = self.dropout_rng if uses_rng else None
         self.tp_comm_overlap = tp_comm_overlap and sp
+        self._overlapped_gather = eager(all_gather_matmul) if self.tp_comm_overlap else None   # the output layer's
         if self.tp_comm_overlap:
             enable_comm_overlap(self)
 
@@ -207,7 +209,7 @@ class GPTModel(nn.Module):
     def _output_layer(self, hidden: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         weight = self.embedding.weight if self.output_weight is None else self.output_weight
         logits = column_parallel_linear(hidden, weight, None, self.tp_group, sequence_parallel=self.sequence_parallel,
-                                        comm_overlap=self.tp_comm_overlap)  # this rank's vocabulary slice
+                                        overlapped_gather=self._overlapped_gather)  # this rank's vocabulary slice
         if labels is None:
             return gather_from_tp_region(logits, self.tp_group)
         return vocab_parallel_cross_entropy(logits, labels, self.tp_group)

@@ -32,7 +32,7 @@ from tessera.kernels.activation_linear import activate, activation_linear
 from tessera.kernels.swiglu import on_triton
 from tessera.parallel.collectives import all_gather_flat, reduce_scatter_flat
 from tessera.parallel.sharding import ShardSpec, annotate, rank_and_size, sum_replica_grads
-from tessera.parallel.tp_overlap import SEQUENCE_DIM, all_gather_matmul, matmul_reduce_scatter
+from tessera.parallel.tp_overlap import SEQUENCE_DIM, all_gather_matmul, eager, matmul_reduce_scatter
 
 
 # -- the conjugate collectives ---------------------------------------------------------
@@ -127,13 +127,13 @@ reduce_scatter_tokens = _conjugate(_first(_reduce_scatter), _first(_all_gather))
 # -- layers ----------------------------------------------------------------------------
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp_group, *,
-                           sequence_parallel: bool = False, comm_overlap: bool = False,
+                           sequence_parallel: bool = False, overlapped_gather=None,
                            matmul=linear) -> torch.Tensor:
     """x W^T + b for a row-sharded W: the input enters the TP region (all-gathered along the
-    sequence under sequence parallelism, with `comm_overlap` chunk by chunk under the GEMM),
-    each rank computes its output features."""
-    if comm_overlap and sequence_parallel:
-        return all_gather_matmul(x, weight, bias, tp_group)
+    sequence under sequence parallelism; chunk by chunk under the GEMM by `overlapped_gather`,
+    `eager(all_gather_matmul)`, where given), each rank computes its output features."""
+    if overlapped_gather is not None:
+        return overlapped_gather(x, weight, bias, tp_group)
     x = gather_from_sequence_region(x, tp_group) if sequence_parallel else copy_to_tp_region(x, tp_group)
     return matmul(x, weight, bias)
 
@@ -168,11 +168,19 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
         self.fp8 = None   # an Fp8Linear when training in FP8 (tessera.training.fp8): the GEMM in place of `linear`
 
+    @property
+    def comm_overlap(self) -> bool:
+        return self._overlapped_gather is not None
+
+    @comm_overlap.setter
+    def comm_overlap(self, on: bool) -> None:
+        self._overlapped_gather = eager(all_gather_matmul) if on else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = sum_replica_grads(self.weight, self.weight_spec, self.tp_group)
         bias = None if self.bias is None else sum_replica_grads(self.bias, self.bias_spec, self.tp_group)
         y = column_parallel_linear(x, weight, bias, self.tp_group, sequence_parallel=self.sequence_parallel,
-                                   comm_overlap=self.comm_overlap, matmul=self.fp8 or linear)
+                                   overlapped_gather=self._overlapped_gather, matmul=self.fp8 or linear)
         return gather_from_tp_region(y, self.tp_group) if self.gather_output else y
 
 
@@ -208,6 +216,14 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
         self.fp8 = None   # as ColumnParallelLinear's
 
+    @property
+    def comm_overlap(self) -> bool:
+        return self._overlapped_reduce_scatter is not None
+
+    @comm_overlap.setter
+    def comm_overlap(self, on: bool) -> None:
+        self._overlapped_reduce_scatter = eager(matmul_reduce_scatter) if on else None
+
     def forward(self, x: torch.Tensor, *, activation: str | None = None) -> torch.Tensor:
         """With an `activation` ("swiglu", "gelu", "gelu_tanh") x is fc1's output and act(x) enters
         the GEMM: fused with it when training on CUDA (tessera.kernels.activation_linear)."""
@@ -217,8 +233,8 @@ class RowParallelLinear(nn.Module):
             x = activate(x, activation)
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp_group)
-        if self.comm_overlap:
-            y = matmul_reduce_scatter(x, self.weight, self.tp_group)
+        if self._overlapped_reduce_scatter is not None:
+            y = self._overlapped_reduce_scatter(x, self.weight, self.tp_group)
             return y if self.bias is None else y + self.bias
         return self._reduce((self.fp8 or linear)(x, self.weight))
 

@@ -33,6 +33,8 @@ Activations are [batch, seq, features]; the sequence dimension is 1.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -155,8 +157,6 @@ def _split_over(group) -> bool:
     return group is not None and dist.get_world_size(group) > 1
 
 
-# Dynamo cannot trace point-to-point ops: compiled blocks call these eagerly.
-@torch.compiler.disable
 def all_gather_matmul(shard: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group) -> torch.Tensor:
     """all_gather(shard) W^T + b, the gather along the sequence overlapped with the GEMM:
     shard [b, s / TP, in], W [out, in] and b [out] (this rank's rows) -> [b, s, out]."""
@@ -165,10 +165,17 @@ def all_gather_matmul(shard: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     return _AllGatherMatmul.apply(shard, weight, bias, group)
 
 
-@torch.compiler.disable
 def matmul_reduce_scatter(input: torch.Tensor, weight: torch.Tensor, group) -> torch.Tensor:
     """reduce_scatter(input W^T), the sum over ranks and split along the sequence overlapped with
     the GEMM: input [b, s, in / TP], W [out, in / TP] -> [b, s / TP, out]."""
     if not _split_over(group):
         return F.linear(input, weight)
     return _MatmulReduceScatter.apply(input, weight, group)
+
+
+@functools.cache
+def eager(fn):
+    """`fn` (all_gather_matmul or matmul_reduce_scatter) as compiled blocks must call it: eagerly,
+    since Dynamo cannot trace point-to-point ops. Taken when a layer is built, not at import:
+    torch.compiler loads torch._dynamo, ~2 s that every command loading a model would pay."""
+    return torch.compiler.disable(fn)

@@ -50,3 +50,26 @@ def test_without_a_tp_group_they_are_plain_linears():
     x, weight, bias = torch.randn(2, 4, 8), torch.randn(6, 8), torch.randn(6)
     assert torch.equal(all_gather_matmul(x, weight, bias, None), F.linear(x, weight, bias))
     assert torch.equal(matmul_reduce_scatter(x, weight, None), F.linear(x, weight))
+
+
+@pytest.mark.parametrize("layer", [
+    ColumnParallelLinear(8, 6, bias=True, init_std=0.02, sequence_parallel=True, comm_overlap=True),
+    RowParallelLinear(8, 6, bias=False, init_std=0.02, sequence_parallel=True, comm_overlap=True),
+], ids=["column", "row"])
+def test_compiled_layers_call_the_overlapped_gemms_eagerly(layer):
+    """Dynamo cannot trace their point-to-point ops: each call is a break in the compiled graph."""
+    x = torch.randn(2, 4, 8)
+    explanation = torch._dynamo.explain(lambda x: layer(x * 2) + 1)(x)
+    assert explanation.graph_break_count == 1, explanation.break_reasons
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+def test_importing_the_trainer_leaves_dynamo_unloaded():
+    """torch._dynamo takes ~2 s to import: every command that loads a model without training it
+    (generate, serve, convert: 4.7 -> 2.8 s to import) paid it when this module wrapped its functions
+    with torch.compiler.disable at import. (Training loads it anyway: torch.optim's optimizers do.)"""
+    import subprocess
+    import sys
+
+    code = "import sys, tessera.training.trainer; print('torch._dynamo' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
