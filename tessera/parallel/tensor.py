@@ -138,6 +138,18 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     return matmul(x, weight, bias)
 
 
+def _overlap_switch(overlapped) -> property:
+    """A layer's `comm_overlap`: on, `self._overlapped` is `overlapped` (all_gather_matmul or
+    matmul_reduce_scatter) kept eager for compiled blocks; off, None."""
+    def get(self) -> bool:
+        return self._overlapped is not None
+
+    def set(self, on: bool) -> None:
+        self._overlapped = eager(overlapped) if on else None
+
+    return property(get, set)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W split by output rows over tensor-parallel ranks.
 
@@ -168,19 +180,13 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
         self.fp8 = None   # an Fp8Linear when training in FP8 (tessera.training.fp8): the GEMM in place of `linear`
 
-    @property
-    def comm_overlap(self) -> bool:
-        return self._overlapped_gather is not None
-
-    @comm_overlap.setter
-    def comm_overlap(self, on: bool) -> None:
-        self._overlapped_gather = eager(all_gather_matmul) if on else None
+    comm_overlap = _overlap_switch(all_gather_matmul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = sum_replica_grads(self.weight, self.weight_spec, self.tp_group)
         bias = None if self.bias is None else sum_replica_grads(self.bias, self.bias_spec, self.tp_group)
         y = column_parallel_linear(x, weight, bias, self.tp_group, sequence_parallel=self.sequence_parallel,
-                                   overlapped_gather=self._overlapped_gather, matmul=self.fp8 or linear)
+                                   overlapped_gather=self._overlapped, matmul=self.fp8 or linear)
         return gather_from_tp_region(y, self.tp_group) if self.gather_output else y
 
 
@@ -216,13 +222,7 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
         self.fp8 = None   # as ColumnParallelLinear's
 
-    @property
-    def comm_overlap(self) -> bool:
-        return self._overlapped_reduce_scatter is not None
-
-    @comm_overlap.setter
-    def comm_overlap(self, on: bool) -> None:
-        self._overlapped_reduce_scatter = eager(matmul_reduce_scatter) if on else None
+    comm_overlap = _overlap_switch(matmul_reduce_scatter)
 
     def forward(self, x: torch.Tensor, *, activation: str | None = None) -> torch.Tensor:
         """With an `activation` ("swiglu", "gelu", "gelu_tanh") x is fc1's output and act(x) enters
@@ -233,8 +233,8 @@ class RowParallelLinear(nn.Module):
             x = activate(x, activation)
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp_group)
-        if self._overlapped_reduce_scatter is not None:
-            y = self._overlapped_reduce_scatter(x, self.weight, self.tp_group)
+        if self._overlapped is not None:
+            y = self._overlapped(x, self.weight, self.tp_group)
             return y if self.bias is None else y + self.bias
         return self._reduce((self.fp8 or linear)(x, self.weight))
 
