@@ -8,11 +8,16 @@ Both compute in fp32 and round to hidden's dtype. The backward also returns the 
 recomputed, for fc2's weight gradient, so that the forward keeps fc1's output only.
 
 Compiled, config A's block kept the activation for fc2's weight gradient beside fc1's output;
-fused, it keeps fc1's output only: A's peak fell from 43.1 to 37.1 GiB on an H200. The time did
-not move: these kernels take what Inductor's took (5.2 ms forward, 7.5 backward a step), the
-forward at ~2.5 TB/s, under the copy rate; the erf form's arithmetic at the power-capped clock is
-the likely bound (not checked with counters). Without CUDA and Triton the same maths runs in
-PyTorch's own GeLU ops.
+fused, it keeps fc1's output only: A's peak fell from 43.1 to 37.1 GiB on an H200.
+
+The erf form is bound by instruction issue, not bandwidth: with libdevice's erf (a branchy
+polynomial and an exp of its own, beside the slope's exp) the forward ran at 2.76 TB/s on an
+H200. The normal tail written as exp(-h^2/2) times a polynomial (below), one exp for value and
+slope, took A's 16384x8192 forward from 195 to 167 us (3.22 TB/s) and the backward from 271 to
+258: a step's GeLU from 11.2 to 10.2 ms (docs/performance.md, 22nd session). fc1's bias added
+here and its gradient summed in the backward's pass was tried and not kept: the column sums
+slowed the backward by more than the separate sum's 70 us. Without CUDA and Triton the same
+maths runs in PyTorch's own GeLU ops.
 """
 
 from __future__ import annotations
@@ -77,7 +82,6 @@ def _(grad, hidden, tanh):
 
 
 if triton is not None:
-    SQRT_HALF = tl.constexpr(math.sqrt(0.5))
     INV_SQRT_2PI = tl.constexpr(1 / math.sqrt(2 * math.pi))
     SQRT_2_OVER_PI = tl.constexpr(math.sqrt(2 / math.pi))
     CUBIC = tl.constexpr(0.044715)   # the tanh form's coefficient
@@ -89,8 +93,24 @@ if triton is not None:
             s = tl.sigmoid(2 * SQRT_2_OVER_PI * (h + CUBIC * h * h * h))
             slope = s + h * 2 * s * (1 - s) * SQRT_2_OVER_PI * (1 + 3 * CUBIC * h * h)
             return h * s, slope
-        cdf = 0.5 * (1 + tl.erf(h * SQRT_HALF))
-        return h * cdf, cdf + h * tl.exp(-0.5 * h * h) * INV_SQRT_2PI
+        # The normal distribution's tail q = P(X > |h|) = exp(-h^2 / 2) R(t), R a polynomial in
+        # t = 1 / (1 + 0.28 |h|) (a least-squares fit of erfcx(|h| / sqrt 2) / 2 in relative error
+        # over |h| <= 9): one exp, shared with the slope, and a division, where tl.erf is libdevice's
+        # branchy polynomial plus an exp of its own. Relative error ~2e-6 in fp32; for every finite
+        # bf16 input the bf16 result is the correctly rounded GeLU (tests/gpu/test_activation_linear_cuda.py).
+        t = 1 / (1 + 0.28 * tl.abs(h))
+        r = 0.04083008 * t - 0.22428705
+        r = r * t + 0.41751087
+        r = r * t - 0.28235996
+        r = r * t + 0.27666497
+        r = r * t + 0.03496692
+        r = r * t + 0.12676349
+        r = r * t + 0.10980681
+        r = r * t + 0.00010382024
+        density = tl.exp(-0.5 * h * h)
+        tail = r * density
+        cdf = tl.where(h >= 0, 1 - tail, tail)
+        return h * cdf, cdf + h * density * INV_SQRT_2PI
 
     @triton.jit
     def _forward_kernel(hidden, act, n, TANH: tl.constexpr, BLOCK: tl.constexpr):
