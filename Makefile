@@ -22,8 +22,13 @@ setup: $(VENV)/.ready
 demo: setup
 	$(PY) examples/demo.py
 
+# Two workers (pytest-xdist), each test file on one of them: module fixtures are built once, and
+# the suite takes ~7 minutes on two cores where one worker took ~11 (tests/ports.py keeps the
+# workers' ports apart). TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
+
 test: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -4,11 +4,14 @@ bind(("127.0.0.1", 0)) hands out a port from the kernel's ephemeral range, the r
 outgoing connection and every gloo socket also draws from: between the test choosing it and
 its process binding it (seconds later, after importing torch) another job's sockets may take
 it. A CI run hung so (tests/dist/test_launch.py's two concurrent jobs). The ports here lie
-below that range, are free when chosen, and are not handed out twice in one process.
+below that range, are free when chosen, and are not handed out twice in one process. Under
+pytest-xdist (`make test` runs two workers) each worker draws from its own residue class, so two
+workers never choose the same port either.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 
@@ -24,12 +27,19 @@ def _ephemeral_start() -> int:
         return 49152
 
 
+def _worker_share() -> tuple[int, int]:
+    """(this pytest-xdist worker's index, the number of workers); (0, 1) without xdist."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    return int(worker.removeprefix("gw")), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+
+
 def free_port() -> int:
     """A port on 127.0.0.1 that nothing listens on, outside the ephemeral range."""
     chooser = random.Random()   # not the global generator, which tests seed
     top = _ephemeral_start()
+    index, workers = _worker_share()
     for _ in range(1000):
-        port = chooser.randrange(_LOWEST, top)
+        port = _LOWEST + index + workers * chooser.randrange((top - _LOWEST) // workers)
         if port in _handed_out:
             continue
         with socket.socket() as probe:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import threading
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 import transformers
 
 from tessera.data.train_tokenizer import EOD_TOKEN, TrainingText, train_bpe_tokenizer
+from tests.ports import free_port
 
 VOCAB = 320
 CONTEXT = 256
@@ -75,9 +75,7 @@ def running_server(app, host: str = "127.0.0.1"):
     """Serve `app` with uvicorn on a free port in a background thread; yields its base URL."""
     import uvicorn
 
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
