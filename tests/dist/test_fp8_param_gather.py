@@ -79,7 +79,11 @@ def test_fp8_param_gather_trains_as_bf16_gathers_do(recipe, layouts):
         gathered = "fp8 gathers delivered late" if "--overlap-param-gather" in layout else "fp8 gathers"
         results = run_distributed(_train_layouts, world_size, {
             "bf16 gathers": flags + layout, gathered: flags + layout + ["--fp8-param-gather"]})[0]
-        assert_equivalent(results["bf16 gathers"], results[gathered], f"{name}, {gathered}")
+        # Losses and norms to 1e-5; weights to 1e-4 of their norm: Adam moves an element whose
+        # gradient is near zero by ~lr whatever its sign, so one element of a weight can carry a
+        # 7th-digit difference in the gradients that far (blockwise on an AVX-512 CPU: 1 of
+        # qkv's 32,768 elements, 1.6e-5 of the norm; every other weight within 3e-8).
+        assert_equivalent(results["bf16 gathers"], results[gathered], f"{name}, {gathered}", params_rtol=1e-4)
         if layouts is FSDP2_LAYOUTS:
             assert results["bf16 gathers"]["loss"] == results[gathered]["loss"], name
             assert all(torch.equal(weight, results[gathered]["params"][key])
