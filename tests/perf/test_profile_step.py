@@ -1,4 +1,5 @@
-"""bench/profile_step.py: the kind each kernel of a profile is counted under, by its name."""
+"""bench/profile_step.py: the kind each kernel of a profile is counted under, by its name, and
+the host's side of the gaps after the lead-in steps' marker kernel."""
 
 import sys
 from pathlib import Path
@@ -26,8 +27,8 @@ def test_kernels_are_counted_under_their_kind():
 def test_the_host_view_names_the_code_that_kept_the_gpu_waiting(tmp_path, capsys):
     from profile_step import print_host_view
 
-    def kernel(ts, dur, corr):
-        return {"ph": "X", "cat": "kernel", "name": f"k{corr}", "ts": ts, "dur": dur, "tid": 7,
+    def kernel(ts, dur, corr, name=None):
+        return {"ph": "X", "cat": "kernel", "name": name or f"k{corr}", "ts": ts, "dur": dur, "tid": 7,
                 "args": {"correlation": corr}}
 
     def launch(ts, corr):
@@ -38,6 +39,9 @@ def test_the_host_view_names_the_code_that_kept_the_gpu_waiting(tmp_path, capsys
         return {"ph": "X", "cat": "python_function", "name": name, "ts": ts, "dur": dur, "tid": 1}
 
     events = [
+        frame(-200, 190, "tessera/training/trainer.py(10): train_step"),
+        launch(-150, 8), kernel(-148, 10, 8),       # a lead-in step's kernel that found the GPU idle: not counted
+        launch(-120, 9), kernel(-110, 5, 9, "void at::cuda::(anonymous namespace)::spin_kernel(long)"),
         frame(0, 500, "tessera/training/trainer.py(10): train_step"),
         frame(5, 10, "tessera/models/moe.py(20): forward"),
         launch(10, 1), kernel(20, 100, 1),          # queued ahead: the GPU had work
@@ -52,3 +56,4 @@ def test_the_host_view_names_the_code_that_kept_the_gpu_waiting(tmp_path, capsys
     assert "1 kernels a step found the GPU idle" in out
     assert "0.123 ms  x1     optimizer.py(30): step < trainer.py(10): train_step" in out
     assert "before k3  <- optimizer.py(30): step" in out
+    assert "k8" not in out
