@@ -20,26 +20,19 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from gemm import timed   # bench/gemm.py, beside this script
+
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 SHAPES = {"mla (qk 192, v 128)": (192, 128), "plain (qk 128, v 128)": (128, 128)}
 
 
 def time_attention(q, k, v, repeats: int = 20) -> float:
-    """Milliseconds of one causal forward + backward."""
+    """Milliseconds of one causal forward + backward (the median of `repeats`)."""
     def step():
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=q.shape[-1] ** -0.5)
         out.backward(torch.ones_like(out))
-    for _ in range(3):
-        step()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(repeats):
-        step()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
+    return timed(step, repeats) * 1e3
 
 
 def dispatched_kernel(q, k, v) -> str:

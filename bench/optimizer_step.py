@@ -18,20 +18,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gemm import timed  # noqa: E402
 from tessera.kernels import adamw  # noqa: E402
 from tessera.kernels.adamw import MasterAdamW  # noqa: E402
-
-
-def _time(fn, repeats: int = 10) -> float:
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats / 1e3
 
 
 def main() -> None:
@@ -56,11 +45,11 @@ def main() -> None:
     n = size * args.tensors
     for name, fn, nbytes in (("torch fused AdamW", torch_adamw.step, 28), ("torch fused AdamW + copy", torch_step, 34),
                              ("tessera MasterAdamW", ours.step, 30)):
-        seconds = _time(fn)
+        seconds = timed(fn, repeats=10)
         print(f"{name:<26} {seconds * 1e3:7.2f} ms  {nbytes * n / seconds / 1e9:6.0f} GB/s", flush=True)
     for block, warps in ((1024, 4), (2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16)) if args.sweep else ():
         adamw.BLOCK, adamw.NUM_WARPS = block, warps
-        seconds = _time(ours.step)
+        seconds = timed(ours.step, repeats=10)
         print(f"  Triton BLOCK {block:5d} warps {warps:2d}  {seconds * 1e3:7.2f} ms  {30 * n / seconds / 1e9:6.0f} GB/s")
 
 
