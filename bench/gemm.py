@@ -35,13 +35,18 @@ WIDTHS = (512, 1024, 2048, 4096, 8192, 16384)
 SEQUENCES = (1024, 2048, 4096, 8192, 16384)
 
 
-def timed(fn, repeats: int, warmup: int = 3) -> float:
-    """Median seconds of `fn` over `repeats` CUDA-event timings."""
+def timed(fn, repeats: int, warmup: int = 3, host_lead_cycles: int = 0) -> float:
+    """Median seconds of `fn` over `repeats` CUDA-event timings. A `fn` of many launches (an
+    optimizer step over hundreds of tensors) would time its host's launches from an empty queue:
+    `host_lead_cycles` holds the GPU in a spin kernel that long first, so that the host has
+    queued `fn` before its timing starts."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if host_lead_cycles:
+            torch.cuda._sleep(host_lead_cycles)
         start.record()
         fn()
         end.record()
