@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
+import sys
+import typing
 
 from tessera.cli.args import fail, parse_run_config
+from tessera.cli.megatron_flags import ignored_note
 from tessera.config import ConfigError
 
 PROG = "tessera train"
@@ -36,7 +40,10 @@ def main(argv: list[str]) -> int:
     # The ranks of a node run the same command line: its errors are printed by the node's first rank
     # alone (each node's, since nodes may be launched with different flags).
     with contextlib.redirect_stderr(io.StringIO()) if launch.local_rank else contextlib.nullcontext():
-        config, _ = parse_run_config(argv, PROG, world_size=launch.world_size)
+        config, namespace = parse_run_config(argv, PROG, world_size=launch.world_size)
+    note = ignored_note(namespace)
+    if note and launch.rank == 0:
+        print(f"{PROG}: {note}", flush=True)
     if config.parallel.print_schedule:
         if launch.rank == 0:
             try:
@@ -46,14 +53,14 @@ def main(argv: list[str]) -> int:
         return 0
     from tessera.training.trainer import Trainer  # after parsing: `--help` stays fast
 
+    trainer = None
     try:
         trainer = Trainer(config)
-    except (ConfigError, LaunchError) as exc:
-        fail(PROG, str(exc))
-    try:
         trainer.train()
+    except (ConfigError, LaunchError) as exc:
+        _fail_once(str(exc))
     except RuntimeError as exc:
-        if launch.world_size > 1 and _timed_out(exc):
+        if trainer is not None and launch.world_size > 1 and _timed_out(exc):
             trainer.metrics.close()
             fail(PROG, f"rank {launch.rank}: a collective did not complete within --distributed-timeout-minutes "
                        f"({config.parallel.distributed_timeout_minutes:g}) at iteration {trainer.iteration + 1}: "
@@ -61,6 +68,22 @@ def main(argv: list[str]) -> int:
         raise
     _leave_process_group()
     return 0
+
+
+def _fail_once(message: str) -> typing.NoReturn:
+    """Exit with code 2, the message printed by the first rank of the job to find it (the others
+    found the same problem, or learn of it when their collectives fail)."""
+    import torch.distributed as dist
+
+    from tessera.parallel.report import first_to_report
+
+    joined = dist.is_available() and dist.is_initialized()   # then leave without gloo's teardown (see fail)
+    if first_to_report(message):
+        fail(PROG, message, skip_teardown=joined)
+    if joined:
+        sys.stdout.flush()
+        os._exit(2)
+    sys.exit(2)
 
 
 def _timed_out(exc: RuntimeError) -> bool:

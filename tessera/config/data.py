@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from tessera.config.fields import option, require
+from tessera.config.fields import flag, option, require
 
 @dataclass
 class DataConfig:
@@ -43,6 +43,10 @@ class DataConfig:
         require(self.data_path is None or all(p is None for p in per_split),
                  "give --data-path or --train-data-path/--valid-data-path/--test-data-path, not both")
         require(self.mid_level_dataset_surplus >= 0, "--mid-level-dataset-surplus must be >= 0")
+        if self.mock_data:
+            for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+                require(getattr(self, name) is None,
+                        f"--mock-data and {flag(name)} are exclusive: train on synthetic tokens or on a dataset")
 
     def split_fractions(self) -> list[float]:
         """--split as three fractions summing to 1 (missing entries are 0), Megatron's parsing."""

@@ -51,6 +51,10 @@ class OptimConfig:
 
 
 FP8 = "FP8 training (tessera.training.fp8)"
+# Megatron-LM's --attention-backend values (megatron/core/transformer/enums.py, AttnBackend) and the
+# SDPA kernel each one is: Transformer Engine's fused attention is cuDNN's; unfused and local are the
+# plain softmax(QK^T)V.
+MEGATRON_ATTENTION_BACKENDS = {"fused": "cudnn", "unfused": "math", "local": "math"}
 
 
 @dataclass
@@ -88,7 +92,9 @@ class TrainConfig:
     recompute_granularity: str | None = option(None, "activation recomputation", ("full", "selective"))
     recompute_method: str | None = option(None, "which layers --recompute-granularity full recomputes", ("uniform", "block"))
     recompute_num_layers: int | None = option(None, "layers per recompute chunk (uniform) or recomputed layers (block)")
-    attention_backend: str = option("auto", "SDPA kernel preference", ("auto", "flash", "cudnn", "efficient", "math"))
+    attention_backend: str = option(
+        "auto", "SDPA kernel preference; Megatron-LM's names are taken too (fused: cudnn; unfused, local: math)",
+        ("auto", "flash", "cudnn", "efficient", "math") + tuple(MEGATRON_ATTENTION_BACKENDS))
     compile: bool | None = option(None, "torch.compile each block (default: on for CUDA, off on CPU)")
     cuda_graph_impl: str = option("none", "full_iteration: replay each step's forward and backward passes as one "
                                   "CUDA graph (the optimizer step stays eager; one GPU)", ("none", "full_iteration"))
@@ -117,6 +123,7 @@ class TrainConfig:
                   "peak_tflops", "loss_scale", "initial_loss_scale", "min_loss_scale", "straggler_minmax_count")
         require(self.cuda_graph_warmup_steps >= 0, "--cuda-graph-warmup-steps must be >= 0")
         require(not (self.bf16 and self.fp16), "--bf16 and --fp16 are exclusive")
+        self.attention_backend = MEGATRON_ATTENTION_BACKENDS.get(self.attention_backend, self.attention_backend)
         self._check_fp8()
         positive(self, "exit_duration_in_mins")
         if self.check_for_nan_in_loss_and_grad is None:

@@ -8,7 +8,8 @@ from typing import Iterator
 
 import torch
 
-from tessera.config import RunConfig
+from tessera.config import ModelConfig, RunConfig
+from tessera.config.fields import require
 from tessera.data.mock import MockGPTDataset
 from tessera.models.documents import Documents
 from tessera.parallel.context import ContextParallel
@@ -42,6 +43,16 @@ def place_batch(batch: Batch, device: torch.device, document_backend: str,
     return moved
 
 
+def check_vocabulary(model: ModelConfig, tokenizer_size: int) -> None:
+    """The model's vocabulary comes from the tokenizer (as in Megatron-LM) unless --vocab-size or a
+    --model preset set it; then it must hold every token id the tokenizer can produce."""
+    if model.vocab_size is None:
+        model.vocab_size = tokenizer_size
+    require(tokenizer_size <= model.vocab_size,
+            f"the tokenizer has {tokenizer_size} tokens but the model's vocabulary (--vocab-size, or the --model "
+            f"preset's) has {model.vocab_size}: give --vocab-size {tokenizer_size} or more")
+
+
 class DataSource:
     """Datasets of the run (mock or .bin/.idx) and this data-parallel rank's micro-batches."""
 
@@ -54,8 +65,7 @@ class DataSource:
             if train.eval_interval else 0,
         }
         if data.mock_data:
-            if config.model.vocab_size is None:
-                raise SystemExit("tessera train: error: --mock-data needs --vocab-size (or a --model preset)")
+            require(config.model.vocab_size is not None, "--mock-data needs --vocab-size (or a --model preset)")
             self.datasets = {split: MockGPTDataset(count, config.model.seq_length, config.model.vocab_size,
                                                    train.seed + (split == "valid"))
                              for split, count in samples.items()}
@@ -64,8 +74,7 @@ class DataSource:
         from tessera.data.tokenizers import build_tokenizer
 
         tokenizer = build_tokenizer(data, config.model.vocab_size)
-        if config.model.vocab_size is None:
-            config.model.vocab_size = tokenizer.vocab_size
+        check_vocabulary(config.model, tokenizer.vocab_size)
         train_set, valid_set, _ = build_in_turns(lambda: build_train_valid_test_datasets(  # index cache: built once
             data, seq_length=config.model.seq_length, seed=train.seed, train_samples=samples["train"],
             valid_samples=samples["valid"], test_samples=0, tokenizer_eod=tokenizer.eod))
@@ -75,8 +84,7 @@ class DataSource:
         from tessera.data.loader import build_data_loader
 
         dataset = self.datasets[split]
-        if dataset is None:
-            raise SystemExit(f"tessera train: error: no {split} data (check --split / --{split}-data-path)")
+        require(dataset is not None, f"no {split} data (check --split / --{split}-data-path)")
         loader = build_data_loader(
             dataset, micro_batch_size=self.config.train.micro_batch_size, dp_rank=self.mesh.dp_rank,
             dp_size=self.mesh.dp_size, consumed_samples=consumed_samples, num_workers=self.config.data.num_workers,

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from tessera.config import ConfigError
 from tessera.perf.hardware import detect_gpu
 
 
@@ -51,9 +52,9 @@ class IterationStats:
     train_iters: int
     consumed_samples: int
     seconds_per_iteration: float
-    loss: float
+    loss: float | None          # None: every iteration of the interval was skipped (fp16 overflow)
     lr: float
-    grad_norm: float
+    grad_norm: float | None     # the last iteration's; None when it was skipped
     loss_scale: float
     skipped_iterations: int
     nan_iterations: int
@@ -108,12 +109,12 @@ class MetricsWriter:
             f"tokens/s: {speed['tokens_per_sec']:.0f}",
             f"learning rate: {stats.lr:.6E}",
             f"global batch size: {self.global_batch_size:5d}",
-            f"lm loss: {stats.loss:.6E}",
+            f"lm loss: {_or_skipped(stats.loss, '.6E')}",
             *(f"{name}: {value:.6E}" for name, value in stats.mtp.items()),
             *(f"{name}: {value:.6E}" if "imbalance" not in name else f"{name}: {value:.3f}"
               for name, value in stats.moe.items()),
             f"loss scale: {stats.loss_scale:.6g}",
-            f"grad norm: {stats.grad_norm:.3f}",
+            f"grad norm: {_or_skipped(stats.grad_norm, '.3f')}",
             f"number of skipped iterations: {stats.skipped_iterations:3d}",
             f"number of nan iterations: {stats.nan_iterations:3d}",
             f"mem: {stats.mem_gb:.2f} GB",
@@ -148,6 +149,10 @@ class MetricsWriter:
                     self.tensorboard.add_scalar(key, value, iteration)
 
 
+def _or_skipped(value: float | None, spec: str) -> str:
+    return "skipped" if value is None else format(value, spec)
+
+
 def _now() -> str:
     return datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
 
@@ -156,5 +161,5 @@ def _tensorboard_writer(path: str):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        raise SystemExit("--tensorboard-dir needs the tensorboard package: pip install tensorboard") from None
+        raise ConfigError("--tensorboard-dir needs the tensorboard package: pip install tensorboard") from None
     return SummaryWriter(log_dir=path)

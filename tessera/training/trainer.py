@@ -78,7 +78,7 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device is available")
+        raise ConfigError("--device cuda: no CUDA device is available")
     return torch.device(name)
 
 
@@ -159,8 +159,8 @@ class Trainer:
         if train.cuda_graph_impl == "none":
             return None
         if self.device.type != "cuda":
-            raise SystemExit(f"--cuda-graph-impl {train.cuda_graph_impl} needs a CUDA device (training on "
-                             f"{self.device.type})")
+            raise ConfigError(f"--cuda-graph-impl {train.cuda_graph_impl} needs a CUDA device (training on "
+                              f"{self.device.type})")
         return StepGraph(self._forward_backward, warmup_steps=train.cuda_graph_warmup_steps,
                          drop_statistics=self.moe.drop_statistics)
 
@@ -376,8 +376,8 @@ class Trainer:
         self.metrics.log_iteration(IterationStats(
             iteration=self.iteration, train_iters=self.config.train.train_iters,
             consumed_samples=self.consumed_samples, seconds_per_iteration=seconds_per_iteration,
-            loss=sum(losses) / len(losses) if losses else float("nan"),
-            lr=self.optimizer.param_groups[0]["lr"], grad_norm=results[-1].grad_norm,
+            loss=sum(losses) / len(losses) if losses else None,
+            lr=self.optimizer.param_groups[0]["lr"], grad_norm=None if results[-1].skipped else results[-1].grad_norm,
             loss_scale=self.loss_scaler.scale, skipped_iterations=self.skipped_iterations,
             nan_iterations=self.nan_iterations, mem_gb=peak_memory_gb(self.device), moe=moe, mtp=mtp,
             flops_per_iteration=self._packed_flops_per_iteration(len(results)),
@@ -405,6 +405,10 @@ class Trainer:
             f"{cfg.num_micro_batches} micro-batches x {cfg.train.micro_batch_size} x DP {mesh.dp_size} "
             f"| seq {cfg.model.seq_length} | optimizer state {self.optimizer.state_bytes() / 2**30:.3f} GiB/rank"
         )
+        backend = cfg.train.attention_backend
+        if backend != "auto" and self.device.type != "cuda":
+            self.metrics.info(f"note: --attention-backend {backend} chooses among CUDA kernels; on "
+                              f"{self.device.type} SDPA runs its {self.device.type} kernel")
 
     def _packed_flops_per_iteration(self, iterations: int) -> float | None:
         """With packed documents, the model FLOPs of the logged iterations' mean, attention

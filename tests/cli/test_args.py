@@ -87,6 +87,8 @@ def test_yaml_round_trip(tmp_path):
     (BASE + ["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1"),
     (BASE + ["--tensor-model-parallel-size", "3"], "world size (1) must be divisible by --tensor-model-parallel-size (3)"),
     (BASE + ["--config", "/nonexistent.yaml"], "--config /nonexistent.yaml: file not found"),
+    (BASE + ["--mock-data", "--data-path", "corpus"], "--mock-data and --data-path are exclusive"),
+    (BASE + ["--mock-data", "--train-data-path", "a"], "--mock-data and --train-data-path are exclusive"),
 ])
 def test_bad_values_name_the_flag(capsys, argv, expected):
     assert expected in error_of(capsys, argv)
@@ -95,6 +97,15 @@ def test_bad_values_name_the_flag(capsys, argv, expected):
 def test_tensor_parallel_heads_check(capsys):
     message = error_of(capsys, BASE + ["--tensor-model-parallel-size", "8"], world_size=8)
     assert "--num-attention-heads (4) must be divisible by --tensor-model-parallel-size (8)" in message
+
+
+def test_world_size_defaults_to_the_launchers(monkeypatch):
+    """Under torchrun (or srun) the Python API needs no world_size: the job's is read."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    config, _ = parse_run_config(BASE + ["--micro-batch-size", "2", "--global-batch-size", "16",
+                                         "--tensor-model-parallel-size", "2"])
+    assert config.world_size == 4 and config.data_parallel_size == 2 and config.num_micro_batches == 4
 
 
 def test_global_batch_counts_data_parallel_ranks(capsys):

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -60,3 +61,20 @@ def test_two_torchrun_nodes_with_c10d_rendezvous_match_one_process(tmp_path, sin
     logs = [path for path in tmp_path.glob("node*.jsonl") if path.read_text()]
     assert len(logs) == 1
     assert_equal_losses(losses(logs[0]), single_process_losses)
+
+
+def test_an_error_found_after_the_ranks_start_is_printed_once_without_a_traceback(tmp_path):
+    """Both ranks find that 3 key/value groups cannot be split over TP=2 (in the model, after the
+    process group exists): one line from one rank, exit code 2, no rank's traceback."""
+    import tessera
+
+    result = subprocess.run(
+        command([*TORCHRUN, "--standalone", "--nproc-per-node", "2"], tmp_path / "log.jsonl",
+                ["--tensor-model-parallel-size", "2", "--hidden-size", "96", "--num-attention-heads", "6",
+                 "--num-query-groups", "3"]), capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert result.stderr.count("tessera train: error:") == 1, result.stderr[-3000:]
+    assert "--num-query-groups (3)" in result.stderr
+    package = str(Path(tessera.__file__).parent)
+    assert not [line for line in result.stderr.splitlines() if package in line], result.stderr[-3000:]
+    assert "exitcode  : 2" in result.stderr    # torchrun's own summary of the failed ranks

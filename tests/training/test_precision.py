@@ -1,5 +1,7 @@
 """fp16 loss scaling: overflowing iterations are skipped and counted, the scale adapts."""
 
+import json
+
 import torch
 
 from tessera.config import TrainConfig
@@ -50,3 +52,14 @@ def test_overflowing_iterations_are_skipped_without_touching_parameters():
     assert 0 < skipped < len(history)        # it recovered and trained
     assert trainer.skipped_iterations == skipped - 1  # counted (the first step ran outside train())
     assert not history[-1].skipped
+
+
+def test_skipped_iterations_are_logged_as_skipped_not_as_nan(tmp_path, capsys):
+    log = tmp_path / "log.jsonl"
+    config = run_config("--fp16", "--initial-loss-scale", str(2.0**30), "--hysteresis", "1", "--train-iters", "2",
+                        "--log-interval", "1", "--log-json", str(log))
+    Trainer(config).train()
+    first = capsys.readouterr().out.splitlines()[1]    # after the start-up line: iteration 1, which overflowed
+    assert "lm loss: skipped" in first and "grad norm: skipped" in first and "NAN" not in first.upper().replace("NAN ITERATIONS", "")
+    record = json.loads(log.read_text().splitlines()[0])
+    assert record["loss"] is None and record["grad_norm"] is None and record["skipped_iterations"] == 1

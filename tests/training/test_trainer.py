@@ -126,3 +126,24 @@ def test_distributed_optimizer_on_one_process_reads_autograds_gradients():
                                rtol=1e-6, atol=0)
     for a, b in zip(plain.model.parameters(), sharded.model.parameters()):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused_naming_both():
+    from tessera.config import ConfigError
+    from tessera.training.batches import check_vocabulary
+
+    model = run_config().model                       # tiny-llama: 256 entries
+    with pytest.raises(ConfigError, match="the tokenizer has 512 tokens but the model's vocabulary "
+                                          r"\(--vocab-size, or the --model preset's\) has 256: give --vocab-size 512"):
+        check_vocabulary(model, 512)
+    check_vocabulary(model, 200)                     # a smaller tokenizer fits
+    assert model.vocab_size == 256
+    model.vocab_size = None
+    check_vocabulary(model, 300)                     # without one, the tokenizer's is the model's (Megatron-LM)
+    assert model.vocab_size == 300
+
+
+def test_a_cuda_attention_backend_on_the_cpu_gets_one_note(capsys):
+    Trainer(run_config("--attention-backend", "flash", "--train-iters", "1")).train()
+    out = capsys.readouterr().out
+    assert out.count("note: --attention-backend flash chooses among CUDA kernels; on cpu") == 1
