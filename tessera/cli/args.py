@@ -188,34 +188,18 @@ def parse_run_config(argv: list[str], prog: str = "tessera train", world_size: i
                      ) -> tuple[RunConfig, argparse.Namespace]:
     """Parse a full training command line; exits with one line naming the flag on error.
 
-    `world_size` defaults to the job's: the initialised process group's, else the launcher's
-    (torchrun's WORLD_SIZE or SLURM's task count), else 1.
+    `world_size` defaults to the job's (RunConfig's default): the initialised process group's, else
+    the launcher's (torchrun's WORLD_SIZE or SLURM's task count), else 1.
     """
     parser = build_parser(prog, SECTIONS, "Train a decoder-only transformer.", add_extra)
     namespace = parser.parse_args(argv)
     check_aliases(parser, namespace)
     try:
-        if world_size is None:
-            world_size = job_world_size()
         values = resolve(namespace, SECTIONS)
         parts = {section: SECTIONS[section](**values[section]) for section in SECTIONS}
         return RunConfig(**parts, world_size=world_size), namespace
     except ConfigError as exc:
         parser.exit(2, f"{prog}: error: {exc}\n")
-
-
-def job_world_size() -> int:
-    """How many processes the job that runs this one has (1 outside a launcher)."""
-    import torch.distributed as dist
-
-    from tessera.parallel.launch import LaunchError, resolve_environment
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    try:
-        return resolve_environment().world_size
-    except LaunchError as exc:
-        raise ConfigError(str(exc)) from None
 
 
 def fail(prog: str, message: str, *, skip_teardown: bool = False) -> typing.NoReturn:

@@ -22,7 +22,6 @@ ALIASES: dict[str, tuple[str, Any]] = {
     "--recompute-activations": ("--recompute-granularity", "selective"),
     "--fp8-hybrid": ("--fp8-format", "hybrid"),
     "--fp8-e4m3": ("--fp8-format", "e4m3"),
-    "--use-flash-attn": ("--attention-backend", "flash"),
     "--use-rotary-position-embeddings": ("--position-embedding-type", "rope"),
     "--use-custom-fsdp": ("--use-megatron-fsdp", True),
 }
@@ -53,6 +52,9 @@ IGNORED: dict[str, Ignored] = {
     "--cross-entropy-loss-fusion": Ignored(_KERNELS),
     "--moe-permute-fusion": Ignored(_KERNELS),
     "--attention-softmax-in-fp32": Ignored("SDPA accumulates the softmax in fp32 already"),
+    # Megatron-Core reads --attention-backend only; its --use-flash-attn is the legacy models' switch.
+    "--use-flash-attn": Ignored("--attention-backend chooses the kernel (auto: cuDNN's, then FlashAttention's on "
+                                "Hopper; --attention-backend flash forces FlashAttention)"),
     "--no-async-tensor-model-parallel-allreduce": Ignored(_KERNELS),
     "--distributed-backend": Ignored("tessera uses NCCL on GPUs and gloo on CPUs", takes_value=True),
     "--use-distributed-checkpoint": Ignored("tessera's checkpoints are always torch.distributed.checkpoint"),

@@ -9,7 +9,7 @@ from typing import Any
 import yaml
 
 from tessera.config.data import DataConfig
-from tessera.config.fields import require
+from tessera.config.fields import ConfigError, require
 from tessera.config.model import ModelConfig
 from tessera.config.moe import check_expert_layout
 from tessera.config.parallel import ParallelConfig
@@ -35,9 +35,16 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))
     train: TrainConfig = field(default_factory=lambda: TrainConfig(train_iters=1))
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    world_size: int = 1
+    world_size: int | None = None   # default: the job's (tessera.parallel.launch.job_world_size)
 
     def __post_init__(self) -> None:
+        if self.world_size is None:
+            from tessera.parallel.launch import LaunchError, job_world_size
+
+            try:
+                self.world_size = job_world_size()
+            except LaunchError as exc:
+                raise ConfigError(str(exc)) from None
         model, parallel, train = self.model, self.parallel, self.train
         dp = parallel.data_parallel_size(self.world_size)
         per_step = train.micro_batch_size * dp

@@ -79,6 +79,14 @@ def resolve_environment(environ: Mapping[str, str] = os.environ) -> LaunchEnviro
     return LaunchEnvironment()
 
 
+def job_world_size() -> int:
+    """How many processes the job that runs this one has: the initialised process group's, else
+    the launcher's (torchrun's or SLURM's), else 1."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return resolve_environment().world_size
+
+
 def first_host(nodelist: str) -> str:
     """The first host of a SLURM hostlist: 'gpu[003-005,9],login1' -> 'gpu003'."""
     first = re.split(r",(?![^\[]*\])", nodelist.strip())[0]  # commas outside brackets separate names

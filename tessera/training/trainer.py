@@ -33,7 +33,7 @@ from tessera.models.gpt import GPTModel, Recompute, initialize_parameters
 from tessera.parallel.context import ContextParallel
 from tessera.parallel.experts import ExpertGroups
 from tessera.parallel.fsdp import apply_fsdp2
-from tessera.parallel.launch import init_distributed
+from tessera.parallel.launch import init_distributed, job_world_size
 from tessera.parallel.mesh import Mesh
 from tessera.parallel.pipeline import PipelineGroups, PipelineRunner
 from tessera.parallel.pipeline_schedules import build_schedule, stage_layer_ranges
@@ -87,6 +87,9 @@ class Trainer:
         self.config = config
         train, parallel = config.train, config.parallel
         self.device = init_distributed(resolve_device(train.device), config)
+        if job_world_size() != config.world_size:
+            raise ConfigError(f"the configuration is for {config.world_size} processes (RunConfig.world_size) "
+                              f"but the job has {job_world_size()}: leave world_size out to take the job's")
         self.mesh = Mesh.build(parallel, self.device.type)
         self.data = DataSource(config, self.mesh)
         torch.manual_seed(train.seed)

@@ -27,7 +27,6 @@ def error_of(capsys, *flags) -> str:
     (["--recompute-activations"], "train", "recompute_granularity", "selective"),
     (["--fp8-hybrid", "--bf16"], "train", "fp8_format", "hybrid"),
     (["--fp8-e4m3", "--bf16"], "train", "fp8_format", "e4m3"),
-    (["--use-flash-attn"], "train", "attention_backend", "flash"),
     (["--attention-backend", "fused"], "train", "attention_backend", "cudnn"),
     (["--attention-backend", "unfused"], "train", "attention_backend", "math"),
     (["--attention-backend", "local"], "train", "attention_backend", "math"),
@@ -54,13 +53,14 @@ def test_a_spelling_that_agrees_with_its_flag_is_fine():
 
 
 def test_implementation_switches_are_accepted_and_named_once():
-    config, namespace = parse("--transformer-impl", "transformer_engine", "--use-mcore-models",
+    config, namespace = parse("--transformer-impl", "transformer_engine", "--use-mcore-models", "--use-flash-attn",
                               "--no-masked-softmax-fusion", "--no-rope-fusion", "--profile-ranks", "0", "1",
                               "--distributed-backend", "nccl", "--micro-batch-size", "2")
     assert config.train.micro_batch_size == 2       # the values they take do not swallow the next flag
     note = ignored_note(namespace)
-    for name in ("--transformer-impl", "--use-mcore-models", "--no-masked-softmax-fusion", "--no-rope-fusion",
-                 "--profile-ranks", "--distributed-backend"):
+    assert config.train.attention_backend == "auto"   # Megatron-Core's --attention-backend decides, as there
+    for name in ("--transformer-impl", "--use-mcore-models", "--use-flash-attn", "--no-masked-softmax-fusion",
+                 "--no-rope-fusion", "--profile-ranks", "--distributed-backend"):
         assert note.count(name) == 1
     # Flags ignored for one reason are listed together, the reason said once.
     assert note.count(IGNORED["--no-rope-fusion"].reason) == 1
