@@ -22,7 +22,8 @@ def _parser() -> argparse.ArgumentParser:
     to_tessera.add_argument("--output", required=True, metavar="CKPT_DIR")
     to_tessera.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                             help="pad the vocabulary for tensor parallelism (Megatron's flag) [128]")
-    to_hf = sub.add_parser("tessera-to-hf", help="tessera checkpoint (its newest) -> HF directory")
+    to_hf = sub.add_parser("tessera-to-hf", help="tessera checkpoint (its newest) -> HF directory, with the "
+                           "checkpoint's tokenizer and generation_config.json")
     to_hf.add_argument("--input", required=True, metavar="CKPT_DIR")
     to_hf.add_argument("--output", required=True, metavar="HF_DIR")
     to_hf.add_argument("--model-type", choices=FAMILIES,
@@ -41,10 +42,12 @@ def main(argv: list[str]) -> int:
     try:
         if args.direction == "hf-to-tessera":
             hf_to_tessera(args.input, args.output, vocab_multiple=args.make_vocab_size_divisible_by)
+            written = ""
         else:
-            tessera_to_hf(args.input, args.output, family=args.model_type, dtype=args.dtype,
-                          max_shard_bytes=int(args.max_shard_size_gb * 2**30))
+            tokenizer = tessera_to_hf(args.input, args.output, family=args.model_type, dtype=args.dtype,
+                                      max_shard_bytes=int(args.max_shard_size_gb * 2**30))
+            written = f" with {tokenizer}"
     except (FileNotFoundError, UnsupportedModel, ConfigError) as exc:
         fail(f"{PROG} {args.direction}", str(exc))
-    print(f"{PROG}: wrote {args.output}")
+    print(f"{PROG}: wrote {args.output}{written}")
     return 0

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import yaml
 
 from tessera.config import ModelConfig
 from tessera.interop.hf import read_hf_dir, tessera_state_from_hf
@@ -35,7 +34,8 @@ class LoadedInfo:
     hf_config: dict | None            # config.json of the HF model (or of the one a checkpoint was imported from)
     tokenizer_dir: Path               # where tokenizer files would be: the HF directory, or the checkpoint's
     eos_token_ids: tuple[int, ...]    # from generation_config.json / config.json, where known
-    checkpoint_config: dict | None = None   # a tessera checkpoint's config.yaml (its tokenizer flags)
+    # a tessera checkpoint's config.yaml: its tokenizer flags name the copies the checkpoint carries
+    checkpoint_config: dict | None = None
 
 
 def load_model(*, load: str | None = None, hf: str | None = None, dtype: torch.dtype = torch.bfloat16,
@@ -49,13 +49,13 @@ def load_model(*, load: str | None = None, hf: str | None = None, dtype: torch.d
         state = tessera_state_from_hf(hf_config, tensors, config)
         info = LoadedInfo(config, hf_config, Path(hf), _hf_eos_token_ids(Path(hf), hf_config))
     else:
-        from tessera.training.checkpoint import CONFIG, complete_checkpoints, load_model_checkpoint
+        from tessera.training.checkpoint_files import load_model_checkpoint
 
-        config, state, extra = load_model_checkpoint(load, extra_files=("hf_config.json",))
-        hf_config = json.loads(extra["hf_config.json"]) if "hf_config.json" in extra else None
-        saved = yaml.safe_load((complete_checkpoints(load)[0] / CONFIG).read_text())
+        saved = load_model_checkpoint(load, extra_files=("hf_config.json",))
+        config, state = saved.config, saved.tensors
+        hf_config = json.loads(saved.files["hf_config.json"]) if "hf_config.json" in saved.files else None
         eos = _hf_eos_token_ids(Path(load), hf_config) if hf_config else ()   # convert copied generation_config.json
-        info = LoadedInfo(config, hf_config, Path(load), eos, saved)
+        info = LoadedInfo(config, hf_config, Path(load), eos, saved.run_config)
     with torch.device(device):
         model = GPTModel(config, tp_group=tp_group)
     load_full_state(model, state)

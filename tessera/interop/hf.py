@@ -2,7 +2,7 @@
 
     model = load_hf("path/to/hf_dir")          # single-process GPTModel; model(input_ids) -> logits
     hf_to_tessera("hf_dir", "ckpt_dir")         # a tessera checkpoint (--load ckpt_dir --finetune)
-    tessera_to_hf("ckpt_dir", "hf_dir")         # config.json + safetensors (sharded when large)
+    tessera_to_hf("ckpt_dir", "hf_dir")         # config.json + safetensors (sharded when large) + tokenizer
 
 Tessera fuses what HF keeps apart: q, k and v rows into one `qkv` weight and Llama's
 gate and up projections into `fc1` ([gate; up], the order tessera's SwiGLU chunks in).
@@ -30,7 +30,6 @@ from pathlib import Path
 import torch
 
 from tessera.config import ModelConfig
-from tessera.files import atomic_write
 from tessera.interop import hf_deepseek
 from tessera.interop.hf_config import UnsupportedModel, hf_config_from_model, infer_family, model_config_from_hf
 
@@ -337,50 +336,43 @@ def load_hf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device:
 
 
 def hf_to_tessera(hf_dir: str | os.PathLike, checkpoint_dir: str | os.PathLike, *, vocab_multiple: int = 128) -> None:
-    """Write the HF model at `hf_dir` as a tessera checkpoint (weights and model config, fp32)."""
-    from tessera.training.checkpoint import save_model_checkpoint
+    """Write the HF model at `hf_dir` as a tessera checkpoint (weights and model config, fp32), with the
+    directory's tokenizer files (and generation config) beside it: `tessera generate --load` and
+    `tessera serve --load` find the tokenizer, chat template and EOS ids there."""
+    from tessera.data.tokenizers import copy_tokenizer_files, hf_tokenizer_files
+    from tessera.training.checkpoint_files import save_model_checkpoint
 
     hf_config, tensors = read_hf_dir(hf_dir)
     config = _with_mtp_layers(model_config_from_hf(hf_config, vocab_multiple=vocab_multiple), hf_config, tensors)
     save_model_checkpoint(checkpoint_dir, config, tessera_state_from_hf(hf_config, tensors, config),
                           extra_files={"hf_config.json": json.dumps(hf_config, indent=2, sort_keys=True)})
-    copy_tokenizer_files(hf_dir, checkpoint_dir)
-
-
-# What a model directory carries beside its weights for generation and chat: `tessera generate
-# --load` and `tessera serve --load` find the tokenizer, chat template and EOS ids here.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
-                   "generation_config.json")
-
-
-def copy_tokenizer_files(source: str | os.PathLike, destination: str | os.PathLike) -> list[str]:
-    """Copy the tokenizer files `source` has into `destination` (each written under a temporary
-    name, then renamed); the names copied."""
-    copied = []
-    for name in TOKENIZER_FILES:
-        path = Path(source) / name
-        if path.is_file():
-            atomic_write(Path(destination) / name, lambda file, path=path: file.write(path.read_bytes()))
-            copied.append(name)
-    return copied
+    copy_tokenizer_files(hf_tokenizer_files(hf_dir), checkpoint_dir)
 
 
 def tessera_to_hf(checkpoint_dir: str | os.PathLike, hf_dir: str | os.PathLike, *, family: str | None = None,
-                  dtype: str | None = None, max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write the newest tessera checkpoint in `checkpoint_dir` as an HF model directory.
+                  dtype: str | None = None, max_shard_bytes: int = 5 * 2**30) -> str:
+    """Write the newest tessera checkpoint in `checkpoint_dir` as an HF model directory: config.json,
+    safetensors, and the checkpoint's tokenizer as transformers loads it (tessera.interop.hf_tokenizer);
+    what was written of the tokenizer, in words.
 
     The family defaults to the imported model's (or is inferred from the architecture); the
-    dtype to the imported model's, else float32.
+    dtype to the imported model's, else float32. The tokenizer's special ids go into config.json
+    where the imported config has none.
     """
-    from tessera.training.checkpoint import load_model_checkpoint
+    from tessera.interop.hf_tokenizer import write_hf_tokenizer
+    from tessera.training.checkpoint_files import load_model_checkpoint
 
-    config, state, extra = load_model_checkpoint(checkpoint_dir, extra_files=("hf_config.json",))
-    base = json.loads(extra["hf_config.json"]) if "hf_config.json" in extra else None
-    family = family or (base or {}).get("model_type") or infer_family(config)
+    saved = load_model_checkpoint(checkpoint_dir, extra_files=("hf_config.json",))
+    base = json.loads(saved.files["hf_config.json"]) if "hf_config.json" in saved.files else None
+    family = family or (base or {}).get("model_type") or infer_family(saved.config)
     dtype = dtype or (base or {}).get("dtype") or (base or {}).get("torch_dtype") or "float32"
     if dtype not in _DTYPES:
         raise ValueError(f"dtype '{dtype}' is not one of {', '.join(_DTYPES)}")
-    tensors = hf_state_from_tessera(state, config, family, _DTYPES[dtype])
-    write_hf_dir(hf_dir, hf_config_from_model(config, family, base, dtype), tensors, max_shard_bytes)
-    copy_tokenizer_files(checkpoint_dir, hf_dir)
+    hf_config = hf_config_from_model(saved.config, family, base, dtype)   # refuses what HF cannot compute, first
+    tensors = hf_state_from_tessera(saved.tensors, saved.config, family, _DTYPES[dtype])
+    Path(hf_dir).mkdir(parents=True, exist_ok=True)
+    tokenizer, special_ids = write_hf_tokenizer(Path(checkpoint_dir), saved.run_config, Path(hf_dir))
+    for name, token_id in special_ids.items():
+        hf_config.setdefault(name, token_id)
+    write_hf_dir(hf_dir, hf_config, tensors, max_shard_bytes)
+    return tokenizer

@@ -46,6 +46,10 @@ _QKV_BIAS = ("qwen2", "qwen2_moe")
 _WINDOW_SWITCHED = ("qwen2", "qwen2_moe", "qwen3_moe")
 # transformers' class defaults where a family's differ from the common ones.
 _DEFAULTS = {"mixtral": {"rope_theta": 1e6, "rms_norm_eps": 1e-5}}
+# The blocks of each kind of family, as ModelConfig fields (refused naming the first that differs).
+_GPT2_BLOCKS = {"normalization": "LayerNorm", "swiglu": False, "disable_bias_linear": False, "add_qkv_bias": False,
+                "qk_layernorm": False, "untie_embeddings_and_output_weights": False, "num_experts": None}
+_ROPE_BLOCKS = {"normalization": "RMSNorm", "swiglu": True, "disable_bias_linear": True, "rotary_percent": 1.0}
 # Router features of tessera that none of the HF MoE families computes.
 _ROUTER_DEFAULTS = {"moe_router_score_function": "softmax", "moe_router_topk_scaling_factor": None,
                     "moe_router_num_groups": None, "moe_router_enable_expert_bias": False,
@@ -263,38 +267,63 @@ def _gpt2_config(hf: dict[str, Any], vocab_multiple: int) -> ModelConfig:
 
 
 def infer_family(model: ModelConfig) -> str:
-    """The HF family that computes what this tessera config computes."""
+    """The HF family that computes what this tessera config computes; else one line naming the
+    feature that none of them has."""
     if model.multi_latent_attention:
         from tessera.interop import hf_deepseek
 
         return hf_deepseek.family_of(model)
-    if model.position_embedding_type == "learned_absolute" and model.normalization == "LayerNorm" \
-            and not model.swiglu and model.add_bias_linear:
+    if model.position_embedding_type == "learned_absolute":
+        _require(model, _GPT2_BLOCKS, "GPT-2, the family with learned positions,")
         return "gpt2"
-    if model.position_embedding_type == "rope" and model.normalization == "RMSNorm" and model.swiglu \
-            and model.disable_bias_linear and model.rotary_percent == 1.0:
-        if model.num_experts is not None:
-            return _moe_family(model)
-        if not model.qk_layernorm:
-            return "qwen2" if model.add_qkv_bias else "llama"
-    raise UnsupportedModel("this tessera model has no Hugging Face equivalent among " + ", ".join(FAMILIES))
+    if model.position_embedding_type != "rope":
+        raise UnsupportedModel(f"--position-embedding-type {model.position_embedding_type} has no Hugging Face "
+                               "equivalent among the families tessera converts (GPT-2 learns positions, the others "
+                               "use rope)")
+    _require(model, _ROPE_BLOCKS, "the RoPE families (Llama, Mistral, Qwen, Mixtral)")
+    if model.num_experts is not None:
+        return _moe_family(model)
+    if model.qk_layernorm:
+        raise UnsupportedModel("--qk-layernorm in a dense model has no Hugging Face equivalent among the families "
+                               "tessera converts (Llama, Mistral and Qwen2 have no QK norm)")
+    return "qwen2" if model.add_qkv_bias else "llama"
+
+
+def _require(model: ModelConfig, needs: dict[str, Any], families: str) -> None:
+    for name, value in needs.items():
+        if getattr(model, name) != value:
+            raise UnsupportedModel(f"{flag(name)} {getattr(model, name)} has no Hugging Face equivalent: {families} "
+                                   f"need {value}")
 
 
 def _moe_family(model: ModelConfig) -> str:
-    """The HF MoE family whose router, shared expert and attention this MoE config has."""
+    """The HF MoE family whose router, shared expert and attention this MoE config has; else one
+    line naming the feature none of them has."""
     for name, default in _ROUTER_DEFAULTS.items():
         if getattr(model, name) != default:
             raise UnsupportedModel(f"{flag(name)} has no equivalent in the Hugging Face MoE families")
-    shared = model.moe_shared_expert_intermediate_size is not None
-    if shared and model.moe_shared_expert_gate and not model.qk_layernorm:
-        return "qwen2_moe"
-    if not shared and not model.add_qkv_bias:
+    if model.moe_shared_expert_intermediate_size is not None:
+        if not model.moe_shared_expert_gate:
+            raise UnsupportedModel("--moe-shared-expert-intermediate-size without --moe-shared-expert-gate has no "
+                                   "Hugging Face equivalent without multi-latent attention: Qwen2-MoE, the family "
+                                   "with a shared expert, gates it (DeepSeek's ungated ones come with MLA)")
         if model.qk_layernorm:
-            return "qwen3_moe"
-        if not model.moe_router_pre_softmax and all(model.moe_layers()):
-            return "mixtral"
-    raise UnsupportedModel("this MoE model has no Hugging Face equivalent: Mixtral renormalises the top-k in every "
-                           "layer, Qwen2-MoE has a gated shared expert, Qwen3-MoE QK norm and no shared expert")
+            raise UnsupportedModel("--qk-layernorm with a shared expert has no Hugging Face equivalent: Qwen2-MoE, "
+                                   "the family with a shared expert, has no QK norm")
+        return "qwen2_moe"
+    if model.add_qkv_bias:
+        raise UnsupportedModel("--add-qkv-bias in a MoE model without a shared expert has no Hugging Face "
+                               "equivalent: Mixtral and Qwen3-MoE have no QKV bias")
+    if model.qk_layernorm:
+        return "qwen3_moe"
+    if model.moe_router_pre_softmax:
+        raise UnsupportedModel("--moe-router-pre-softmax without --qk-layernorm has no Hugging Face equivalent: "
+                               "Mixtral renormalises the top-k (Qwen3-MoE, which may not, has QK norm)")
+    if not all(model.moe_layers()):
+        raise UnsupportedModel(f"--moe-layer-freq {model.moe_layer_freq!r} (dense layers) without --qk-layernorm has "
+                               "no Hugging Face equivalent: Mixtral's layers are all MoE (Qwen3-MoE, which has "
+                               "dense layers, has QK norm)")
+    return "mixtral"
 
 
 def hf_config_from_model(model: ModelConfig, family: str, base: dict[str, Any] | None = None,

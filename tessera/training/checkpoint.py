@@ -1,61 +1,54 @@
-"""Saving and resuming: sharded, reshardable checkpoints that a crash never corrupts.
-
-On disk (Megatron's layout; one torch.distributed.checkpoint directory per save):
-
-    SAVE_DIR/latest_checkpointed_iteration.txt   "1000": the newest complete checkpoint
-    SAVE_DIR/iter_0001000/config.yaml            the run's configuration
-    SAVE_DIR/iter_0001000/.metadata, *.distcp    DCP: every tensor by full-tensor coordinates
+"""Saving and resuming: sharded, reshardable checkpoints (Megatron's layout, on disk as
+tessera.training.checkpoint_files describes it).
 
 Every rank writes its own pieces (tessera.training.checkpoint_state) and DCP records
 where each sits in the full tensor, so any layout can load them. FP8 delayed scaling's
 amax histories are saved by layer name beside the model (a run without FP8 ignores them;
-an FP8 layer the checkpoint lacks starts its history fresh). The tracker is replaced
-atomically (write, fsync, rename) only after every rank has finished, so a
-process killed mid-save leaves the tracker on the previous checkpoint; on --load,
-checkpoints newer than the tracker or without DCP's .metadata are skipped with a
-warning, and one that fails to read is skipped for the next older one.
+an FP8 layer the checkpoint lacks starts its history fresh). On --load, a checkpoint that
+fails to read is skipped for the next older one.
 
 `Checkpointer` is what the trainer calls: it loads at start, saves every
 --save-interval, and on --exit-interval / --exit-duration-in-mins / SIGTERM
 (--exit-signal-handler) saves and tells the loop to stop. With --async-save the state
 is copied into pinned CPU buffers (allocated at the first save and reused) and written by
-a background thread on a gloo group of its own: training waits only for that copy.
+a background thread on a gloo group of its own: training waits only for that copy. The
+first save copies the run's tokenizer files into --save, beside the checkpoints.
+
+Rank 0 says what happened in one line each: every save (iteration, directory, seconds and
+size, as Megatron-LM's `save_checkpoint` logs it; for an async save the seconds training was
+blocked), and a --load that starts fresh. A --load directory that does not exist is an error,
+unless it is also the --save directory (Megatron-LM's auto-resume idiom `--save $CKPT --load
+$CKPT`, whose first launch finds nothing to load).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import random
-import shutil
 import signal
-import sys
 import threading
 import time
-import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-import yaml
 
 from tessera.config import ConfigError, ModelConfig, RunConfig, flag
-from tessera.files import atomic_write
+from tessera.data.tokenizers import tokenizer_files
+from tessera.training.checkpoint_files import (
+    complete_checkpoints, copy_tokenizer, global_rank, iteration_dir, log_info, log_warning,
+    saved_run_config, single_process_ok, size_on_disk, write_checkpoint,
+)
 from tessera.training.checkpoint_state import (
-    Chunked, LoadPlanner, SavePlanner, fp8_scaling_state, fp8_scaling_targets, master_state, master_weights,
-    model_state, optimizer_state, optimizer_steps, restore_fp8_scaling, saved_like, set_optimizer_steps, whole,
+    Chunked, LoadPlanner, fp8_scaling_state, fp8_scaling_targets, master_state, master_weights, model_state,
+    optimizer_state, optimizer_steps, restore_fp8_scaling, set_optimizer_steps,
 )
 
-TRACKER = "latest_checkpointed_iteration.txt"
-# Files each rank writes in parallel (DCP's FileSystemWriter threads): on an H200 host, 8 threads
-# wrote an async checkpoint 4.7x faster than 1 (docs/performance.md).
-WRITE_THREADS = 8
-CONFIG = "config.yaml"
 # Model fields a run may change on resume (fine-tuning, longer sequences with RoPE);
 # the parameters' shapes are checked on their own.
 _MAY_CHANGE = {"seq_length", "hidden_dropout", "attention_dropout", "init_method_std", "make_vocab_size_divisible_by",
@@ -64,81 +57,6 @@ _MAY_CHANGE = {"seq_length", "hidden_dropout", "attention_dropout", "init_method
                "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
                "moe_grouped_gemm", "moe_router_dtype",
                "mtp_loss_scaling_factor"}   # DeepSeek-V3 lowered it from 0.3 to 0.1 during training
-
-
-@contextlib.contextmanager
-def _single_process_ok():
-    """DCP warns when no process group exists that it assumes one process: that is intended."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
-def iteration_dir(root: str | os.PathLike, iteration: int) -> Path:
-    return Path(root) / f"iter_{iteration:07d}"
-
-
-def read_tracker(root: str | os.PathLike) -> int | None:
-    try:
-        return int((Path(root) / TRACKER).read_text().strip())
-    except (FileNotFoundError, ValueError):
-        return None
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    """Readers see the old file or the new one, never a part; fsynced, as the tracker must be."""
-    atomic_write(path, lambda file: file.write(text.encode("utf-8")), durable=True)
-
-
-def _warn(message: str) -> None:
-    if _rank() == 0:
-        print(f"tessera checkpoint: warning: {message}", file=sys.stderr, flush=True)
-
-
-def _info(message: str) -> None:
-    if _rank() == 0:
-        print(f"tessera checkpoint: {message}", flush=True)
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def complete_checkpoints(root: str | os.PathLike, warn: Callable[[str], None] = _warn) -> list[Path]:
-    """Checkpoints in `root` that finished writing, newest first; the others named in warnings."""
-    tracked = read_tracker(root)
-    found = []
-    for directory in sorted(Path(root).glob("iter_*"), reverse=True):
-        iteration = int(directory.name.removeprefix("iter_"))
-        if tracked is not None and iteration > tracked:
-            warn(f"skipping {directory}: newer than {TRACKER} ({tracked}), its save did not finish")
-        elif not (directory / ".metadata").is_file() or not (directory / CONFIG).is_file():
-            warn(f"skipping {directory}: incomplete (no .metadata or {CONFIG})")
-        else:
-            found.append(directory)
-    return found
-
-
-def write_checkpoint(directory: Path, state: dict[str, Any], config: dict, *, group=None,
-                     keep_last: int | None = None, extra_files: dict[str, str] | None = None) -> None:
-    """Write one checkpoint (collective over `group`), then point the tracker at it."""
-    rank0 = not dist.is_initialized() or dist.get_rank(group) == 0
-    directory.mkdir(parents=True, exist_ok=True)
-    if rank0:
-        (directory / ".metadata").unlink(missing_ok=True)  # an earlier, interrupted save of this iteration
-        for name, text in {CONFIG: yaml.safe_dump(config, sort_keys=False), **(extra_files or {})}.items():
-            _atomic_write(directory / name, text)
-    with _single_process_ok():
-        writer = dcp.FileSystemWriter(directory, thread_count=WRITE_THREADS)
-        dcp.save(state, storage_writer=writer, planner=SavePlanner(), process_group=group)
-    if dist.is_initialized():
-        dist.barrier(group=group)  # every rank's files are complete
-    if rank0:
-        root = directory.parent
-        _atomic_write(root / TRACKER, str(int(directory.name.removeprefix("iter_"))))
-        if keep_last:
-            for old in complete_checkpoints(root, warn=lambda _: None)[keep_last:]:
-                shutil.rmtree(old, ignore_errors=True)
 
 
 def model_config_differences(saved: dict[str, Any], current: ModelConfig) -> list[str]:
@@ -204,7 +122,7 @@ def training_state(trainer) -> dict[str, Any]:
         "loss_scaler": trainer.loss_scaler.state_dict(), "optimizer_steps": optimizer_steps(trainer.optimizer),
         "layout": _layout(trainer),
     }
-    state[f"rng.{_rank()}"] = _rng_state(trainer)  # one per rank: keys differ, so DCP keeps all
+    state[f"rng.{global_rank()}"] = _rng_state(trainer)  # one per rank: keys differ, so DCP keeps all
     return state
 
 
@@ -215,6 +133,10 @@ class Checkpointer:
         self.config, self.options, self.train = config, config.checkpoint, config.train
         self.device = device
         self.last_saved: int | None = None
+        # The tokenizer's files are looked for now (a missing one fails the run before it starts);
+        # the first save copies them.
+        self._copies_tokenizer = bool(self.options.save and tokenizer_files(config.data))
+        self._saved_config: dict | None = None   # config.yaml's content, naming the tokenizer's copies
         self._writer: threading.Thread | None = None
         self._writer_error: BaseException | None = None
         self._staging: dict[tuple[str, int], torch.Tensor] = {}   # async save's CPU copies, reused
@@ -243,18 +165,42 @@ class Checkpointer:
     # -- saving --------------------------------------------------------------------------
 
     def save(self, trainer) -> None:
+        start = time.perf_counter()
         directory = iteration_dir(self.options.save, trainer.iteration)
         trainer.optimizer.wait_for_parameters()   # --overlap-param-gather: weights still arriving
         state = training_state(trainer)
         self.last_saved = trainer.iteration
-        args = dict(config=self.config.to_dict(), keep_last=self.options.keep_last)
+        args = dict(config=self._run_config(), keep_last=self.options.keep_last)
         if not self.options.async_save:
             write_checkpoint(directory, state, group=None, **args)
+            self._report(trainer.iteration, directory, time.perf_counter() - start)
             return
         self.wait()   # the previous write is done with the staging buffers
         staged = self._stage(state)
-        self._writer = threading.Thread(target=self._write_in_background, args=(directory, staged, args))
+        blocked = time.perf_counter() - start
+        self._writer = threading.Thread(target=self._write_in_background,
+                                        args=(directory, staged, args, trainer.iteration, start, blocked))
         self._writer.start()
+
+    def _run_config(self) -> dict:
+        """config.yaml's content: the run's configuration, its tokenizer paths naming the copies in
+        --save (made by rank 0 at the first save)."""
+        if self._saved_config is None:
+            config = self.config.to_dict()
+            if self._copies_tokenizer:
+                paths = copy_tokenizer(self.config.data, Path(self.options.save)) if global_rank() == 0 else {}
+                config["data"].update(paths)
+            self._saved_config = config
+        return self._saved_config
+
+    def _report(self, iteration: int, directory: Path, seconds: float, written: float | None = None) -> None:
+        """Megatron's line after a save, with its size; for an async save `seconds` is the time training
+        was blocked and `written` the time to disk."""
+        if global_rank() != 0:
+            return
+        how = "" if written is None else f" (async save: the time training was blocked; written in {written:.2f} s)"
+        log_info(f"saved checkpoint at iteration {iteration} to {directory} in {seconds:.2f} s{how} "
+                 f"({size_on_disk(directory)})")
 
     def _stage(self, state: dict[str, Any]) -> dict[str, Any]:
         """The state with every tensor copied to CPU memory: what the background writer reads
@@ -279,9 +225,11 @@ class Checkpointer:
             torch.cuda.synchronize(self.device)   # the copies have landed before the writer reads them
         return staged
 
-    def _write_in_background(self, directory: Path, state: dict, args: dict) -> None:
+    def _write_in_background(self, directory: Path, state: dict, args: dict, iteration: int, start: float,
+                             blocked: float) -> None:
         try:
             write_checkpoint(directory, state, group=self._group, **args)
+            self._report(iteration, directory, blocked, written=time.perf_counter() - start)
         except BaseException as exc:  # noqa: BLE001 -- re-raised in the training thread by wait()
             self._writer_error = exc
 
@@ -333,24 +281,37 @@ class Checkpointer:
 
     def load(self, trainer) -> None:
         """Resume from the newest readable checkpoint in --load (nothing there: start fresh)."""
-        root = self.options.load
+        root = Path(self.options.load)
+        # Megatron's auto-resume: `--save $CKPT --load $CKPT` on every launch of a job, the first one included.
+        first_launch = self.options.save is not None and Path(self.options.save).resolve() == root.resolve()
+        if root.exists() and not root.is_dir():
+            raise ConfigError(f"--load {root}: not a directory")
+        if not root.exists() and not first_launch:
+            raise ConfigError(f"--load {root}: no such directory (to resume a job from its first launch on, "
+                              "give --save the same directory)")
         candidates = complete_checkpoints(root)
         if not candidates:
-            _warn(f"--load {root}: no complete checkpoint, starting from scratch")
+            if (root / ".metadata").is_file():
+                raise ConfigError(f"--load {root}: this is one checkpoint; --load takes the directory that holds "
+                                  f"them ({root.parent})")
+            if first_launch:
+                log_info(f"--load {root}: no checkpoint yet (the --save directory), starting from scratch")
+            else:
+                log_warning(f"--load {root}: no checkpoint in it, starting from scratch")
             return
         for directory in candidates:
             try:
                 self._load_from(directory, trainer)
-                _info(f"loaded {directory} (iteration {trainer.iteration})")
+                log_info(f"loaded {directory} (iteration {trainer.iteration})")
                 return
             except ConfigError:
                 raise
             except (Exception, CheckpointException) as exc:  # noqa: BLE001 -- corrupt: fall back to an older one
-                _warn(f"skipping {directory}: cannot be read ({type(exc).__name__}: {str(exc)[:300]})")
+                log_warning(f"skipping {directory}: cannot be read ({type(exc).__name__}: {str(exc)[:300]})")
         raise RuntimeError(f"--load {root}: none of its checkpoints could be read")
 
     def _load_from(self, directory: Path, trainer) -> None:
-        saved = yaml.safe_load((directory / CONFIG).read_text())
+        saved = saved_run_config(directory)
         differences = model_config_differences(saved["model"], self.config.model)
         if differences:
             raise ConfigError(f"{directory} was saved for another model; differing settings:\n  "
@@ -364,10 +325,10 @@ class Checkpointer:
         if not weights_only:
             state["train_state"] = None
             state.update(fp8_scaling_targets(trainer.model, metadata))
-        rng_key = f"rng.{_rank()}"
+        rng_key = f"rng.{global_rank()}"
         if not (weights_only or self.options.no_load_rng) and rng_key in metadata:
             state[rng_key] = None
-        with _single_process_ok():
+        with single_process_ok():
             dcp.load(state, storage_reader=dcp.FileSystemReader(directory), planner=LoadPlanner())
         # Delayed scaling's scales first: storing the masters casts the weights that
         # --fp8-param-gather gathers in E4M3, with these scales.
@@ -388,37 +349,11 @@ class Checkpointer:
         if not self.options.no_load_optim and train_state["optimizer_steps"] is not None:
             set_optimizer_steps(trainer.optimizer, train_state["optimizer_steps"])
         if missing:
-            _warn(f"{directory} has no FP8 delayed-scaling state for {len(missing)} layers (e.g. {missing[0]}): "
+            log_warning(f"{directory} has no FP8 delayed-scaling state for {len(missing)} layers (e.g. {missing[0]}): "
                   "their amax histories start fresh")
         self.last_saved = trainer.iteration
         if rng_key in state and train_state["layout"] == _layout(trainer):
             _set_rng_state(trainer, state[rng_key])
         elif not self.options.no_load_rng:
-            _warn(f"random states not restored: saved with layout {train_state['layout']}, "
+            log_warning(f"random states not restored: saved with layout {train_state['layout']}, "
                   f"now {_layout(trainer)} (dropout masks will differ from the original run)")
-
-
-# -- weights-only checkpoints (Hugging Face conversion) ----------------------------------
-
-def save_model_checkpoint(root: str | os.PathLike, model: ModelConfig, tensors: dict[str, torch.Tensor],
-                          extra_files: dict[str, str] | None = None) -> None:
-    """A checkpoint of full weights at iteration 0, from one process (--load DIR --finetune)."""
-    state = {f"model.{name}": whole(t) for name, t in tensors.items()}
-    write_checkpoint(iteration_dir(root, 0), state, {"model": dataclasses.asdict(model)}, extra_files=extra_files)
-
-
-def load_model_checkpoint(root: str | os.PathLike, extra_files: tuple[str, ...] = ()
-                          ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, str]]:
-    """(model config, full weights, the named extra files present) of the newest checkpoint, in one process."""
-    candidates = complete_checkpoints(root)
-    if not candidates:
-        raise FileNotFoundError(f"{root}: no complete tessera checkpoint")
-    directory = candidates[0]
-    config = ModelConfig(**yaml.safe_load((directory / CONFIG).read_text())["model"])
-    metadata = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
-    state = {key: saved_like(md) for key, md in metadata.items() if key.startswith("model.")}
-    with _single_process_ok():
-        dcp.load(state, storage_reader=dcp.FileSystemReader(directory), planner=LoadPlanner())
-    tensors = {key.removeprefix("model."): value.blocks[0][1] for key, value in state.items()}
-    extra = {name: (directory / name).read_text() for name in extra_files if (directory / name).is_file()}
-    return config, tensors, extra

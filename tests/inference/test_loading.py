@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tessera.inference.loading import load_model
-from tessera.training.checkpoint import save_model_checkpoint
+from tessera.training.checkpoint_files import save_model_checkpoint
 from tests.inference.test_engine import tiny_model
 
 

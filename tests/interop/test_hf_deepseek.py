@@ -224,7 +224,7 @@ def _check_the_mtp_depth_against_transformers_mtp_layer(reference, model, mtp):
 
 def test_a_tiny_deepseek_trained_in_tessera_exports_to_what_transformers_computes(tmp_path):
     """No imported config: the written config.json alone describes the model (MTP layer included)."""
-    from tessera.training.checkpoint import save_model_checkpoint
+    from tessera.training.checkpoint_files import save_model_checkpoint
 
     config = ModelConfig(**{**preset_values("tiny-deepseek"), "make_vocab_size_divisible_by": 1})
     model = GPTModel(config).eval()

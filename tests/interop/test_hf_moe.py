@@ -11,6 +11,7 @@ unlikely; the seeds are fixed. fp32 logits of size ~3 agree to about 2e-6.
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -248,14 +249,20 @@ _TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
     (dict(moe_router_score_function="sigmoid"), "--moe-router-score-function"),
     (dict(moe_router_topk_scaling_factor=2.5), "--moe-router-topk-scaling-factor"),
     (dict(moe_expert_capacity_factor=1.0), "--moe-expert-capacity-factor"),
-    (dict(moe_router_pre_softmax=True), "no Hugging Face equivalent"),             # Mixtral renormalises
-    (dict(moe_layer_freq="[1,0]"), "no Hugging Face equivalent"),                  # Mixtral has no dense layer
-    (dict(moe_shared_expert_intermediate_size=32), "no Hugging Face equivalent"),  # Qwen2-MoE's is gated
-    (dict(num_experts=None, moe_ffn_hidden_size=None, qk_layernorm=True), "no Hugging Face equivalent"),
+    (dict(moe_router_pre_softmax=True), "--moe-router-pre-softmax without --qk-layernorm"),   # Mixtral renormalises
+    (dict(moe_layer_freq="[1,0]"), "--moe-layer-freq '[1,0]' (dense layers)"),                # Mixtral has none
+    (dict(moe_shared_expert_intermediate_size=32), "without --moe-shared-expert-gate"),      # Qwen2-MoE's is gated
+    (dict(moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True, qk_layernorm=True),
+     "--qk-layernorm with a shared expert"),
+    (dict(add_qkv_bias=True), "--add-qkv-bias in a MoE model without a shared expert"),
+    (dict(num_experts=None, moe_ffn_hidden_size=None, qk_layernorm=True), "--qk-layernorm in a dense model"),
+    (dict(rotary_percent=0.5), "--rotary-percent 0.5 has no Hugging Face equivalent"),
+    (dict(position_embedding_type="learned_absolute"), "--normalization RMSNorm has no Hugging Face equivalent"),
 ])
 def test_tessera_models_no_hf_family_computes_are_refused(changes, message):
-    with pytest.raises(UnsupportedModel, match=message):
+    with pytest.raises(UnsupportedModel, match=re.escape(message)) as error:
         infer_family(ModelConfig(**{**_TINY, **changes}))
+    assert "\n" not in str(error.value) and "has no" in str(error.value)
 
 
 @pytest.mark.parametrize("changes", [
@@ -267,7 +274,7 @@ def test_tessera_models_no_hf_family_computes_are_refused(changes, message):
 def test_a_model_trained_in_tessera_exports_to_what_transformers_computes(changes, tmp_path):
     """No imported config to start from: the written config.json alone must describe the model."""
     from tessera.models.gpt import initialize_parameters
-    from tessera.training.checkpoint import save_model_checkpoint
+    from tessera.training.checkpoint_files import save_model_checkpoint
 
     config = ModelConfig(**{**_TINY, "num_layers": 3, "group_query_attention": True, "num_query_groups": 2,
                             "ffn_hidden_size": 96, "init_method_std": 0.1, "untie_embeddings_and_output_weights": True,

@@ -11,7 +11,7 @@ import torch
 
 from tests.conftest import run_config
 from tessera.config import ConfigError
-from tessera.training.checkpoint import TRACKER, iteration_dir, read_tracker
+from tessera.training.checkpoint_files import TRACKER, iteration_dir, read_tracker
 from tessera.training.trainer import Trainer
 
 # Dropout on, so that the random-number states must be restored too.
