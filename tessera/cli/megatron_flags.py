@@ -58,11 +58,18 @@ IGNORED: dict[str, Ignored] = {
     "--no-async-tensor-model-parallel-allreduce": Ignored(_KERNELS),
     "--distributed-backend": Ignored("tessera uses NCCL on GPUs and gloo on CPUs", takes_value=True),
     "--use-distributed-checkpoint": Ignored("tessera's checkpoints are always torch.distributed.checkpoint"),
+    "--ckpt-format": Ignored("tessera's checkpoints are always torch.distributed.checkpoint", takes_value=True),
     "--auto-detect-ckpt-format": Ignored("tessera's checkpoints are always torch.distributed.checkpoint"),
     "--dist-ckpt-strictness": Ignored("tessera loads every tensor it saves, strictly", takes_value=True),
     "--no-create-attention-mask-in-dataloader": Ignored("tessera's loaders never build an attention mask"),
     "--no-mmap-bin-files": Ignored("tessera always memory-maps .bin files"),
     "--calculate-per-token-loss": Ignored("tessera always averages the loss over the global batch's tokens"),
+    "--grad-reduce-in-bf16": Ignored("tessera's default under --bf16 (--accumulate-allreduce-grads-in-fp32 "
+                                     "reduces in fp32)"),
+    # Megatron stores a norm's scale as (scale - 1), so that weight decay pulls it to 1; tessera, like
+    # Megatron by default, applies no weight decay to norms, which makes the two the same model.
+    "--apply-layernorm-1p": Ignored("norms are not weight-decayed, so storing their scale minus one "
+                                    "trains the same model"),
     "--log-throughput": Ignored("tessera always logs throughput"),
     "--log-timers-to-tensorboard": Ignored(_LOGS),
     "--log-memory-to-tensorboard": Ignored(_LOGS),
@@ -91,10 +98,6 @@ IGNORED: dict[str, Ignored] = {
 }
 
 UNSUPPORTED: dict[str, str] = {
-    "--train-samples": "give --train-iters (samples / --global-batch-size)",
-    "--lr-decay-samples": "give --lr-decay-iters (samples / --global-batch-size)",
-    "--lr-warmup-samples": "give --lr-warmup-iters (samples / --global-batch-size)",
-    "--lr-wsd-decay-samples": "give --lr-wsd-decay-iters (samples / --global-batch-size)",
     "--rampup-batch-size": "tessera trains at one --global-batch-size",
     "--step-batch-size-schedule": "tessera trains at one --global-batch-size",
     "--decoupled-lr": "the embedding and output layer train at --lr",

@@ -36,6 +36,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=lambda: TrainConfig(train_iters=1))
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     world_size: int | None = None   # default: the job's (tessera.parallel.launch.job_world_size)
+    notes: list[str] = field(default_factory=list, init=False)   # settings changed on the way, said at start
 
     def __post_init__(self) -> None:
         if self.world_size is None:
@@ -50,13 +51,17 @@ class RunConfig:
         per_step = train.micro_batch_size * dp
         if train.global_batch_size is None:
             train.global_batch_size = per_step
+        self._count_iterations()
         require(
             train.global_batch_size % per_step == 0,
             f"--global-batch-size ({train.global_batch_size}) must be divisible by --micro-batch-size "
             f"({train.micro_batch_size}) x data-parallel size ({dp}) = {per_step}",
         )
         tp = parallel.tensor_model_parallel_size
-        require(parallel.sequence_parallel is False or tp > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1")
+        if parallel.sequence_parallel and tp == 1:   # as Megatron-LM's validate_args: nothing to split
+            parallel.sequence_parallel = False
+            self.notes.append("note: --sequence-parallel is off: it splits the sequence over tensor-parallel "
+                              "ranks, and --tensor-model-parallel-size is 1")
         # The chunked GEMMs run outside Fp8Linear's scaling and FP8 backward.
         require(not (parallel.tp_comm_overlap and train.fp8_format),
                 "--tp-comm-overlap with --fp8-format is not supported")
@@ -90,6 +95,21 @@ class RunConfig:
                 f"--recompute-num-layers ({train.recompute_num_layers}) must divide --num-layers "
                 f"({model.num_layers}) with --recompute-method uniform",
             )
+
+    def _count_iterations(self) -> None:
+        """--train-samples: as many iterations as whole global batches fit (Megatron-LM's
+        update_train_iters, without a batch-size ramp)."""
+        train = self.train
+        self.optim.check_schedule_units(sample_based=train.train_samples is not None)
+        if train.train_samples is None:
+            return
+        iterations = train.train_samples // train.global_batch_size
+        require(iterations > 0, f"--train-samples ({train.train_samples}) is less than one --global-batch-size "
+                                f"({train.global_batch_size})")
+        require(train.train_iters in (None, iterations),
+                f"give --train-iters or --train-samples, not both (--train-samples {train.train_samples} is "
+                f"{iterations} iterations of {train.global_batch_size})")
+        train.train_iters = iterations
 
     def _check_experts(self) -> None:
         parallel = self.parallel

@@ -20,6 +20,10 @@ class OptimConfig:
     lr_warmup_init: float = option(0.0, "learning rate at the start of warmup")
     lr_wsd_decay_style: str = option("exponential", "shape of the WSD decay phase", ("exponential", "linear", "cosine", "minus_sqrt"))
     lr_wsd_decay_iters: int | None = option(None, "length of the WSD decay phase at the end of --lr-decay-iters")
+    lr_decay_samples: int | None = option(None, "with --train-samples: samples over which to decay (default "
+                                          "--train-samples)")
+    lr_warmup_samples: int = option(0, "with --train-samples: linear warmup samples")
+    lr_wsd_decay_samples: int | None = option(None, "with --train-samples: samples of the WSD decay phase")
     weight_decay: float = option(0.01, "decoupled weight decay (not applied to norms and biases)")
     adam_beta1: float = option(0.9, "Adam beta1")
     adam_beta2: float = option(0.999, "Adam beta2")
@@ -46,8 +50,21 @@ class OptimConfig:
             require(0 <= getattr(self, name) < 1, f"{flag(name)} must be in [0, 1)")
         positive(self, "adam_eps", "lr_decay_iters", "lr_wsd_decay_iters")
         require(self.weight_decay >= 0 and self.clip_grad >= 0, "--weight-decay and --clip-grad must be >= 0")
+        positive(self, "lr_decay_samples", "lr_wsd_decay_samples")
+        require(self.lr_warmup_samples >= 0, "--lr-warmup-samples must be >= 0")
+        require(not (self.lr_warmup_samples and self.lr_warmup_fraction is not None),
+                "give --lr-warmup-fraction or --lr-warmup-samples, not both")
         if self.lr_decay_style == "WSD":
-            require(self.lr_wsd_decay_iters is not None, "--lr-decay-style WSD needs --lr-wsd-decay-iters")
+            require(self.lr_wsd_decay_iters is not None or self.lr_wsd_decay_samples is not None,
+                    "--lr-decay-style WSD needs --lr-wsd-decay-iters (or --lr-wsd-decay-samples)")
+
+    def check_schedule_units(self, sample_based: bool) -> None:
+        """As Megatron-LM: a run counts its schedule in samples (--train-samples) or in iterations."""
+        for unit in ("decay", "warmup", "wsd_decay"):
+            iters, samples = f"lr_{unit}_iters", f"lr_{unit}_samples"
+            wrong, right = (iters, samples) if sample_based else (samples, iters)
+            require(not getattr(self, wrong), f"{flag(wrong)} does not go with "
+                    f"{'--train-samples' if sample_based else '--train-iters'}: give {flag(right)}")
 
 
 FP8 = "FP8 training (tessera.training.fp8)"
@@ -63,7 +80,9 @@ class TrainConfig:
 
     micro_batch_size: int = option(1, "sequences per micro-batch per data-parallel rank")
     global_batch_size: int | None = option(None, "sequences per iteration over all ranks (default micro x DP)")
-    train_iters: int = option(None, "iterations to train", required=True)
+    train_iters: int | None = option(None, "iterations to train (or give --train-samples)")
+    train_samples: int | None = option(None, "samples to train, instead of --train-iters: as many iterations as "
+                                       "whole global batches fit (Megatron-LM's sample-based training)")
     seed: int = option(1234, "random seed (initialisation, dropout, data order)")
     bf16: bool = option(False, "bf16 mixed precision (fp32 master weights)")
     fp16: bool = option(False, "fp16 mixed precision with loss scaling")
@@ -117,8 +136,9 @@ class TrainConfig:
     peak_tflops: float | None = option(None, "GPU peak TFLOP/s for MFU (default: detected from the device name)")
 
     def __post_init__(self) -> None:
-        require(self.train_iters is not None, "--train-iters is required")
-        positive(self, "micro_batch_size", "global_batch_size", "train_iters", "log_interval",
+        require(self.train_iters is not None or self.train_samples is not None, "--train-iters is required "
+                "(or --train-samples)")
+        positive(self, "micro_batch_size", "global_batch_size", "train_iters", "train_samples", "log_interval",
                   "eval_interval", "eval_iters", "exit_interval", "loss_scale_window", "hysteresis",
                   "peak_tflops", "loss_scale", "initial_loss_scale", "min_loss_scale", "straggler_minmax_count")
         require(self.cuda_graph_warmup_steps >= 0, "--cuda-graph-warmup-steps must be >= 0")

@@ -8,19 +8,29 @@ from __future__ import annotations
 
 import math
 
-from tessera.config import OptimConfig
+from tessera.config import OptimConfig, TrainConfig
 
 
 class LRSchedule:
-    def __init__(self, optim: OptimConfig, train_iters: int):
+    def __init__(self, optim: OptimConfig, train: TrainConfig):
         self.max_lr, self.min_lr, self.init_lr = optim.lr, optim.min_lr, optim.lr_warmup_init
         self.style = optim.lr_decay_style
-        self.decay_iters = optim.lr_decay_iters or train_iters
-        if optim.lr_warmup_fraction is not None:
-            self.warmup_iters = int(optim.lr_warmup_fraction * self.decay_iters)
-        else:
+        self.wsd_style = optim.lr_wsd_decay_style
+        if train.train_samples is None:
+            self.decay_iters = optim.lr_decay_iters or train.train_iters
+            self.wsd_iters = optim.lr_wsd_decay_iters
             self.warmup_iters = optim.lr_warmup_iters
-        self.wsd_style, self.wsd_iters = optim.lr_wsd_decay_style, optim.lr_wsd_decay_iters
+            if optim.lr_warmup_fraction is not None:
+                self.warmup_iters = int(optim.lr_warmup_fraction * self.decay_iters)
+            return
+        # Sample-based (--train-samples): Megatron-LM's scheduler counts samples, a global batch per
+        # step, which is the same schedule over fractional iterations.
+        batch = train.global_batch_size
+        self.decay_iters = (optim.lr_decay_samples or train.train_samples) / batch
+        self.wsd_iters = optim.lr_wsd_decay_samples / batch if optim.lr_wsd_decay_samples else None
+        self.warmup_iters = optim.lr_warmup_samples / batch
+        if optim.lr_warmup_fraction is not None:
+            self.warmup_iters = optim.lr_warmup_fraction * self.decay_iters
 
     def __call__(self, step: int) -> float:
         if self.warmup_iters > 0 and step <= self.warmup_iters:

@@ -125,7 +125,7 @@ class Trainer:
                                          fp8_gathered=fp8.gathered_weights(self.model) if train.fp8_param_gather else None)
         if self.pipeline is not None:
             self._build_pipeline_runners()
-        self.lr_schedule = LRSchedule(config.optim, train.train_iters)
+        self.lr_schedule = LRSchedule(config.optim, train)
         self.loss_scaler = LossScaler(train)
         self.amp_dtype = autocast_dtype(train)
         self.iteration = 0
@@ -408,6 +408,8 @@ class Trainer:
             f"{cfg.num_micro_batches} micro-batches x {cfg.train.micro_batch_size} x DP {mesh.dp_size} "
             f"| seq {cfg.model.seq_length} | optimizer state {self.optimizer.state_bytes() / 2**30:.3f} GiB/rank"
         )
+        for note in cfg.notes:
+            self.metrics.info(note)
         backend = cfg.train.attention_backend
         if backend != "auto" and self.device.type != "cuda":
             self.metrics.info(f"note: --attention-backend {backend} chooses among CUDA kernels; on "

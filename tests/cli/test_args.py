@@ -84,7 +84,6 @@ def test_yaml_round_trip(tmp_path):
      "--recompute-num-layers (3) must divide --num-layers (2)"),
     (BASE + ["--position-embedding-type", "rope", "--rotary-percent", "0.3"], "--rotary-percent (0.3)"),
     (BASE + ["--micro-batch-size", "0"], "--micro-batch-size must be positive, got 0"),
-    (BASE + ["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1"),
     (BASE + ["--tensor-model-parallel-size", "3"], "world size (1) must be divisible by --tensor-model-parallel-size (3)"),
     (BASE + ["--config", "/nonexistent.yaml"], "--config /nonexistent.yaml: file not found"),
     (BASE + ["--mock-data", "--data-path", "corpus"], "--mock-data and --data-path are exclusive"),
@@ -97,6 +96,24 @@ def test_bad_values_name_the_flag(capsys, argv, expected):
 def test_tensor_parallel_heads_check(capsys):
     message = error_of(capsys, BASE + ["--tensor-model-parallel-size", "8"], world_size=8)
     assert "--num-attention-heads (4) must be divisible by --tensor-model-parallel-size (8)" in message
+
+
+def test_sequence_parallel_on_one_tensor_parallel_rank_is_turned_off_with_a_note():
+    config = parse(BASE + ["--sequence-parallel"])          # as Megatron-LM does
+    assert not config.parallel.sequence_parallel
+    assert config.notes == ["note: --sequence-parallel is off: it splits the sequence over tensor-parallel ranks, "
+                            "and --tensor-model-parallel-size is 1"]
+
+
+def test_train_samples_count_whole_global_batches(capsys):
+    config = parse(BASE[:-2] + ["--train-samples", "100", "--global-batch-size", "8", "--lr-warmup-samples", "20"])
+    assert config.train.train_iters == 12
+    assert "give --train-iters or --train-samples, not both" in error_of(
+        capsys, BASE + ["--train-samples", "100", "--global-batch-size", "8"])
+    assert "--lr-warmup-iters does not go with --train-samples: give --lr-warmup-samples" in error_of(
+        capsys, BASE[:-2] + ["--train-samples", "100", "--lr-warmup-iters", "2"])
+    assert "--lr-decay-samples does not go with --train-iters: give --lr-decay-iters" in error_of(
+        capsys, BASE + ["--lr-decay-samples", "100"])
 
 
 def test_world_size_defaults_to_the_launchers(monkeypatch):

@@ -4,12 +4,12 @@ import math
 
 import pytest
 
-from tessera.config import OptimConfig
+from tessera.config import OptimConfig, TrainConfig
 from tessera.training.schedules import LRSchedule
 
 
 def schedule(train_iters=100, **kwargs):
-    return LRSchedule(OptimConfig(**{"lr": 1.0, "min_lr": 0.1, **kwargs}), train_iters)
+    return LRSchedule(OptimConfig(**{"lr": 1.0, "min_lr": 0.1, **kwargs}), TrainConfig(train_iters=train_iters))
 
 
 def test_linear_warmup_from_init():
@@ -57,3 +57,13 @@ def test_wsd(style, at_half):
     assert lr(50) == pytest.approx(1.0) and lr(80) == pytest.approx(1.0)   # stable phase
     assert lr(90) == pytest.approx(0.1 + 0.9 * at_half)
     assert lr(100) == pytest.approx(0.1)
+
+
+def test_sample_based_schedule_is_megatrons_over_samples():
+    """--train-samples: Megatron-LM's scheduler steps by the global batch's samples; at iteration i
+    it has seen i x 8 samples (warmup 20 samples, cosine decay over 100)."""
+    optim = OptimConfig(lr=1.0, min_lr=0.1, lr_decay_style="cosine", lr_warmup_samples=20, lr_decay_samples=100)
+    lr = LRSchedule(optim, TrainConfig(train_iters=12, train_samples=100, global_batch_size=8))
+    assert lr(2) == pytest.approx(16 / 20)
+    assert lr(3) == pytest.approx(0.1 + 0.9 * 0.5 * (math.cos(math.pi * (24 - 20) / 80) + 1))
+    assert lr(13) == pytest.approx(0.1)   # past 100 samples
