@@ -56,7 +56,7 @@ def write_hf_tokenizer(checkpoint_dir: Path, run_config: dict, hf_dir: Path) -> 
         _copy_hf_tokenizer(data, hf_dir)
         written = f"its tokenizer ({data.tokenizer_type})"
     else:
-        backend, specials = _converted(data)
+        backend, specials = _converted(data, run_config["model"].get("vocab_size"))
         backend.save(str(hf_dir / "tokenizer.json"))
         _write_json(hf_dir / "tokenizer_config.json", _tokenizer_config(specials))
         written = f"its tokenizer ({data.tokenizer_type}, as a tokenizer.json)"
@@ -103,11 +103,12 @@ def _copy_hf_tokenizer(data: DataConfig, hf_dir: Path) -> None:
         _write_json(hf_dir / "tokenizer_config.json", _tokenizer_config({"eos_token": eos}))
 
 
-def _converted(data: DataConfig):
-    """(tokenizers.Tokenizer, {special token kind: token}) encoding as tessera's tokenizer of `data` does."""
+def _converted(data: DataConfig, vocab_size: int | None):
+    """(tokenizers.Tokenizer, {special token kind: token}) encoding as tessera's tokenizer of `data`
+    does, for a model of `vocab_size` (TikTokenizer's cap, as in training)."""
     from tokenizers import AddedToken
 
-    tokenizer = build_tokenizer(data)
+    tokenizer = build_tokenizer(data, vocab_size)
     if data.tokenizer_type == "GPT2BPETokenizer":
         backend = tokenizer.backend
         specials = {"bos_token": backend.id_to_token(tokenizer.eod), "eos_token": backend.id_to_token(tokenizer.eod)}

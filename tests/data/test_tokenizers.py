@@ -1,12 +1,14 @@
-"""Tokenizers from local files: expected ids derived by hand from each format's rules."""
+"""Tokenizers from local files: expected ids derived by hand from each format's rules; a missing,
+unreadable or garbage file is one line naming the flag and the file; the files each one reads."""
 
 import base64
 import json
+import os
 
 import pytest
 
 from tessera.config import ConfigError, DataConfig
-from tessera.data.tokenizers import build_tokenizer
+from tessera.data.tokenizers import build_tokenizer, tokenizer_files
 from tessera.data.train_tokenizer import TrainingText, train_bpe_tokenizer
 
 TEXT = "Naïve café — 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 and ASCII.\nSecond line\t tab"
@@ -115,3 +117,72 @@ def test_sentencepiece_model(tmp_path):
 def test_missing_files_name_the_flag(config, flag):
     with pytest.raises(ConfigError, match=flag):
         build_tokenizer(config)
+
+
+GARBAGE = bytes(range(256)) * 3   # not UTF-8, not a protobuf
+
+
+def _files(tmp_path, **contents) -> dict[str, str]:
+    paths = {}
+    for name, content in contents.items():
+        path = tmp_path / name.replace("_", ".")
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        paths[name] = str(path)
+    return paths
+
+
+@pytest.mark.parametrize("kind, contents, flag, bad", [
+    ("HuggingFaceTokenizer", dict(junk_json=GARBAGE), "--tokenizer-model", "junk_json"),
+    ("HuggingFaceTokenizer", dict(junk_json='{"version": "1.0"}'), "--tokenizer-model", "junk_json"),
+    ("SentencePieceTokenizer", dict(junk_model=GARBAGE), "--tokenizer-model", "junk_model"),
+    ("TikTokenizer", dict(junk_tiktoken=GARBAGE), "--tokenizer-model", "junk_tiktoken"),
+    ("TikTokenizer", dict(junk_tiktoken="not base64 at all\n"), "--tokenizer-model", "junk_tiktoken"),
+    ("TikTokenizer", dict(junk_json='{"rank": 0}'), "--tokenizer-model", "junk_json"),
+    ("GPT2BPETokenizer", dict(vocab_json=GARBAGE, merges_txt="a b\n"), "--vocab-file", "vocab_json"),
+    ("GPT2BPETokenizer", dict(vocab_json="[1, 2]", merges_txt="a b\n"), "--vocab-file", "vocab_json"),
+    ("GPT2BPETokenizer", dict(vocab_json='{"a": 0, "b": 1}', merges_txt=GARBAGE), "--merge-file", "merges_txt"),
+])
+def test_a_garbage_tokenizer_file_is_one_line_naming_the_flag_and_file(tmp_path, kind, contents, flag, bad):
+    paths = _files(tmp_path, **contents)
+    if kind == "GPT2BPETokenizer":
+        data = DataConfig(tokenizer_type=kind, vocab_file=paths["vocab_json"], merge_file=paths["merges_txt"])
+    else:
+        data = DataConfig(tokenizer_type=kind, tokenizer_model=paths[bad])
+    with pytest.raises(ConfigError) as error:
+        build_tokenizer(data)
+    message = str(error.value)
+    assert message.startswith(f"{flag} {paths[bad]}: not a ") and "\n" not in message, message
+
+
+def test_a_garbage_tokenizer_config_beside_a_tokenizer_json_is_named(tmp_path):
+    train_bpe_tokenizer(TrainingText([str(_corpus(tmp_path))]), str(tmp_path / "tokenizer.json"), vocab_size=300)
+    (tmp_path / "tokenizer_config.json").write_bytes(GARBAGE)
+    with pytest.raises(ConfigError, match=f"--tokenizer-model {tmp_path / 'tokenizer_config.json'}: not a "):
+        build_tokenizer(DataConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path)))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their permissions")
+@pytest.mark.parametrize("kind", ["HuggingFaceTokenizer", "SentencePieceTokenizer", "TikTokenizer"])
+def test_an_unreadable_tokenizer_file_is_one_line(tmp_path, kind):
+    path = tmp_path / "tokenizer.bin"
+    path.write_bytes(GARBAGE)
+    path.chmod(0)
+    with pytest.raises(ConfigError, match=f"--tokenizer-model {path}: not a "):
+        build_tokenizer(DataConfig(tokenizer_type=kind, tokenizer_model=str(path)))
+
+
+def test_tokenizer_files_are_those_the_tokenizer_reads(tmp_path):
+    hf = tmp_path / "hf"
+    train_bpe_tokenizer(TrainingText([str(_corpus(tmp_path))]), str(hf / "bpe.json"), vocab_size=300, min_frequency=1)
+    (hf / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>"}')   # read for the EOD
+    (hf / "notes.txt").write_text("not a tokenizer file")
+    hf_file = DataConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(hf / "bpe.json"))
+    assert tokenizer_files(hf_file) == {"tokenizer_model": [hf / "bpe.json", hf / "tokenizer_config.json"]}
+    (hf / "bpe.json").rename(hf / "tokenizer.json")
+    hf_dir = DataConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(hf))
+    assert tokenizer_files(hf_dir) == {"tokenizer_model": [hf / "tokenizer.json", hf / "tokenizer_config.json"]}
+    gpt2 = DataConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=str(hf / "tokenizer.json"),
+                      merge_file=str(tmp_path / "missing.txt"))
+    with pytest.raises(ConfigError, match=f"--merge-file {tmp_path / 'missing.txt'}: no such file"):
+        tokenizer_files(gpt2)
+    assert tokenizer_files(DataConfig(tokenizer_type="ByteTokenizer")) == tokenizer_files(DataConfig()) == {}

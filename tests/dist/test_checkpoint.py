@@ -1,10 +1,14 @@
 """Checkpoints under parallel layouts (gloo, CPU): exact resume in the same layout, and
-resharding: save under one layout, load under another, continue with the same losses.
+resharding: save under one layout, load under another, continue with the same losses; what
+saving and loading print, once per job.
 
 Exact resume is bitwise: the resumed run repeats the uninterrupted run's arithmetic.
 After resharding the reduction order changes, so losses are compared with single-process
 training at the equivalence tolerance (rtol 1e-5, tests/dist/equivalence.py).
 """
+
+import contextlib
+import io
 
 import pytest
 import torch
@@ -95,3 +99,18 @@ def test_resharding_continues_with_the_same_losses(change, tmp_path, reference):
     after = _on(load_world, resume, load_flags, str(tmp_path))
     assert len(before) == STOP and len(after) == STEPS - STOP
     torch.testing.assert_close(before + after, reference, rtol=1e-5, atol=0)
+
+
+def _printed_by_a_first_launch(directory: str) -> str:
+    """Run on every rank: what a job's first launch with `--save DIR --load DIR` prints."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+        _losses(["--save", directory, "--load", directory, "--train-iters", "2", "--save-interval", "1",
+                 "--tensor-model-parallel-size", "2"])
+    return printed.getvalue()
+
+
+def test_saving_and_a_fresh_start_are_said_once_by_rank_0(tmp_path):
+    printed = run_distributed(_printed_by_a_first_launch, 2, str(tmp_path / "ckpt"))
+    assert printed[0].count("starting from scratch") == 1 and printed[0].count("saved checkpoint at iteration") == 2
+    assert "checkpoint" not in printed[1]

@@ -1,5 +1,6 @@
 """Checkpoints in one process: exact resume against an uninterrupted run, what --load
-accepts and refuses, and the failure paths (NaN, SIGTERM, SIGKILL in the middle of a save)."""
+accepts and refuses, the lines saving and loading print, and the failure paths (NaN, SIGTERM,
+SIGKILL in the middle of a save)."""
 
 import os
 import signal
@@ -118,3 +119,51 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint(tmp_path):
     assert (tmp_path / TRACKER).read_text() == "1"
     assert any(iteration_dir(tmp_path, 2).glob("*.distcp"))   # the interrupted save's files are there
     assert Trainer(run_config(*FLAGS, "--load", str(tmp_path))).iteration == 1
+
+
+def _lines(text: str, needle: str) -> list[str]:
+    return [line for line in text.splitlines() if needle in line]
+
+
+@pytest.mark.parametrize("mode", [[], ["--async-save"]], ids=["sync", "async"])
+def test_each_save_is_one_line_with_its_iteration_directory_time_and_size(tmp_path, mode, capsys):
+    _run("--save", str(tmp_path), "--save-interval", "2", "--train-iters", "4", *mode)
+    lines = _lines(capsys.readouterr().out, "saved checkpoint")
+    assert len(lines) == 2
+    for line, iteration in zip(lines, (2, 4)):
+        directory = iteration_dir(tmp_path, iteration)
+        size = sum(path.stat().st_size for path in directory.iterdir()) / 1e6
+        assert f"saved checkpoint at iteration {iteration} to {directory} in " in line
+        assert line.endswith(f" s ({size:.2f} MB)") if not mode else line.endswith(f" s) ({size:.2f} MB)")
+        assert ("async save: the time training was blocked" in line) == bool(mode)
+
+
+def test_a_load_directory_that_does_not_exist_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match=f"--load {tmp_path / 'typo'}: no such directory"):
+        Trainer(run_config(*FLAGS, "--load", str(tmp_path / "typo"), "--save", str(tmp_path / "ckpt")))
+
+
+def test_load_and_save_the_same_new_directory_starts_fresh_in_one_line(tmp_path, capsys):
+    """Megatron's auto-resume: `--save $CKPT --load $CKPT` on a job's first launch, then on its next."""
+    ckpt = str(tmp_path / "ckpt")
+    first = Trainer(run_config(*FLAGS, "--load", ckpt, "--save", ckpt, "--train-iters", "2"))
+    captured = capsys.readouterr()
+    assert first.iteration == 0 and not captured.err
+    assert _lines(captured.out, "--load") == [f"tessera checkpoint: --load {ckpt}: no checkpoint yet (the --save "
+                                              "directory), starting from scratch"]
+    first.train()
+    assert Trainer(run_config(*FLAGS, "--load", ckpt, "--save", ckpt)).iteration == 2
+
+
+def test_an_empty_load_directory_starts_fresh_with_a_warning(tmp_path, capsys):
+    trainer = Trainer(run_config(*FLAGS, "--load", str(tmp_path)))
+    err = capsys.readouterr().err
+    assert trainer.iteration == 0
+    assert err.splitlines() == [f"tessera checkpoint: warning: --load {tmp_path}: no checkpoint in it, starting "
+                                "from scratch"]
+
+
+def test_loading_one_iteration_directory_names_its_parent(tmp_path):
+    _run("--save", str(tmp_path), "--train-iters", "1")
+    with pytest.raises(ConfigError, match=f"--load takes the directory that holds them \\({tmp_path}\\)"):
+        Trainer(run_config(*FLAGS, "--load", str(iteration_dir(tmp_path, 1))))
