@@ -1,11 +1,12 @@
 """`tessera plan`: predicted memory, step time and MFU; the best layouts, or one layout explained.
 
     tessera plan --model llama3-70b --gpus 64 --gpu h100 --global-batch-size 512 --seq-length 8192
-    tessera plan --model mixtral-8x7b --gpus 64                # EP searched too; batch ~1M tokens
+    tessera plan --model mixtral-8x7b --gpus 64                # EP searched too; the default batch
     tessera plan --model gpt3-175b --gpus 1024 --global-batch-size 1536 --explain \\
         --tensor-model-parallel-size 4 --pipeline-model-parallel-size 8 --sequence-parallel \\
         --num-layers-per-virtual-pipeline-stage 2 --use-distributed-optimizer
     tessera plan --published --figures docs/figures     # Megatron's H100 scaling runs
+    tessera plan --production                           # Megatron's production layouts beside the planner's picks
 
 Layout flags are `tessera train`'s; any given (on the command line or in --config) is held
 fixed while the others are searched, with every overlap on as in a tuned run. --explain
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from tessera.cli.args import build_parser, fail, resolve
 from tessera.config import SECTIONS, ConfigError, ModelConfig
@@ -25,13 +27,10 @@ from tessera.cli.flops import parameter_summary
 from tessera.perf.kernels import load_curves
 from tessera.perf.layout import FP8_FIELDS, MOMENT_FIELDS, Layout, check_layout
 from tessera.perf.memory import GIB, usable_bytes
-from tessera.perf.search import SearchSpace, search
+from tessera.perf.search import DEFAULT_BATCH_RULE, SearchSpace, default_global_batch_size, search
 from tessera.perf.simulator import Prediction, predict
 
 PROG = "tessera plan"
-# A search needs a batch: without --global-batch-size, about a million tokens, the size of
-# Megatron's MoE reference runs (256 sequences of 4096).
-DEFAULT_BATCH_TOKENS = 2**20
 
 
 def _extra(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +48,9 @@ def _extra(parser: argparse.ArgumentParser) -> None:
                        help="reproduce Megatron's published H100 weak/strong scaling and Mixtral 8x7B point, "
                             "and print the error tables")
     group.add_argument("--figures", metavar="DIR", help="with --published: write the scaling figures (PNG) here")
+    group.add_argument("--production", action="store_true",
+                       help="Megatron-LM's recommended production layouts (its parallelism guide) beside the "
+                            "planner's own pick for each, on --gpu's cluster")
 
 
 def _setting(values: dict, args: argparse.Namespace, name: str, default=None):
@@ -129,9 +131,9 @@ def _space(values: dict, args: argparse.Namespace, model: ModelConfig) -> Search
                        micro_batch_size=given("micro_batch_size"), recompute=given("recompute_granularity"),
                        first_stage_layers=_setting(values, args, "decoder_first_pipeline_num_layers"),
                        last_stage_layers=_setting(values, args, "decoder_last_pipeline_num_layers"),
-                       # tessera's own runs: compiled blocks, the overlaps its flags ask for
-                       tp_comm_overlap=bool(_setting(values, args, "tp_comm_overlap")),
-                       overlap_p2p_communication=bool(_setting(values, args, "overlap_p2p_communication")),
+                       # tessera's own runs: compiled blocks; an overlap given is held on, else searched
+                       tp_comm_overlap=True if _setting(values, args, "tp_comm_overlap") else None,
+                       overlap_p2p_communication=True if _setting(values, args, "overlap_p2p_communication") else None,
                        compiled=_setting(values, args, "compile") is not False, framework="tessera",
                        fp8=_fp8(values, args), moments=_moments(values, args))
 
@@ -202,11 +204,27 @@ def _published(args: argparse.Namespace) -> int:
     return 0
 
 
+def _production(args: argparse.Namespace) -> int:
+    from tessera.perf.production import PRODUCTION_LAYOUTS, compare, comparison_table
+
+    cluster = lookup_cluster(args.cluster, args.gpu)
+    curves = load_curves(args.gemm_curve, gpu_name=cluster.gpu.name)
+    space = SearchSpace(compiled=True, framework="tessera")   # what a search without layout flags tries
+    print(f"{cluster.name}; kernel curves: {curves.source}; bf16; tessera's trainer (compiled blocks)\n")
+    print(comparison_table([compare(row, cluster, curves, space) for row in PRODUCTION_LAYOUTS]))
+    return 0
+
+
 def main(argv: list[str]) -> int:
     parser = build_parser(PROG, SECTIONS, "Predict memory, step time and MFU; choose the parallel layout.", _extra)
     args = parser.parse_args(argv)
     if args.published:
         return _published(args)
+    if args.production:
+        try:
+            return _production(args)
+        except (ConfigError, ValueError) as exc:
+            fail(PROG, str(exc))
     try:
         values = resolve(args, SECTIONS)
         model = ModelConfig(**values["model"])
@@ -221,7 +239,11 @@ def main(argv: list[str]) -> int:
         else:
             if not args.gpus:
                 raise ConfigError("--gpus is required to search (or give --explain with a layout)")
-            batch = _setting(values, args, "global_batch_size") or max(1, DEFAULT_BATCH_TOKENS // model.seq_length)
+            batch = _setting(values, args, "global_batch_size")
+            if batch is None:
+                batch = default_global_batch_size(args.gpus, model.seq_length)
+                print(f"global batch {batch} sequences of {model.seq_length}: a default ({DEFAULT_BATCH_RULE}); "
+                      f"set it with --global-batch-size", file=sys.stderr if args.json else sys.stdout)
             results = search(model, args.gpus, cluster, curves, batch, model.seq_length,
                              _space(values, args, model), causal, args.top)
             if not results:

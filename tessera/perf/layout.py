@@ -1,19 +1,18 @@
 """A parallel layout as the planner sees it, and the rules that make it runnable.
 
-The fields are the settings of `tessera train` (Megatron-LM flag names in the messages);
-`check_layout` rejects what Megatron would reject, naming the flag, so the search and
-`--explain` share one definition of "feasible".
+The fields are the settings of `tessera train` (Megatron-LM flag names); `check_layout`
+rejects what `tessera train` would refuse, in its words, naming the flag, so the search and
+`--explain` share one definition of "feasible" and no plan prints flags the trainer refuses.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tessera.config import ModelConfig, TrainConfig
-from tessera.config.fields import require
-from tessera.config.parallel import CP_COMM_TYPES
-from tessera.config.moe import check_expert_layout
+from tessera.config.fields import flag, require
 from tessera.parallel.pipeline_schedules import stage_layer_ranges
+from tessera.perf.trainer_rules import trainer_config
 
 RECOMPUTE = ("none", "selective", "full")
 DISPATCHERS = ("allgather", "alltoall")
@@ -144,6 +143,10 @@ class Layout:
             parts.append("a2a")
         if self.sequence_parallel:
             parts.append("SP")
+        if self.sequence_parallel and self.tp_comm_overlap:
+            parts.append("tp-overlap")
+        if self.pp > 1 and self.overlap_p2p_communication:
+            parts.append("p2p-overlap")
         if self.fsdp:
             parts.append("FSDP")
         elif self.distributed_optimizer:
@@ -154,121 +157,102 @@ class Layout:
             parts.append(f"FP8-{self.fp8_recipe}")
         return " ".join(parts)
 
+    @property
+    def reduces_gradients(self) -> bool:
+        """Whether some gradients are reduced over replicas: the dense ones over DP x CP, the experts' over EDP."""
+        return self.dp * self.cp > 1 or self.edp > 1
+
+    def train_settings(self, moe: bool = True) -> dict:
+        """This layout as the `tessera train` config fields (tessera.config) it sets, in the order its
+        flags print; the expert fields only for a `moe` model. One mapping for the printed flags
+        and for asking the trainer's own config whether it runs the layout (tessera.perf.trainer_rules)."""
+        settings = {"tensor_model_parallel_size": self.tp, "pipeline_model_parallel_size": self.pp,
+                    "context_parallel_size": self.cp, "micro_batch_size": self.micro_batch_size,
+                    "bf16": True}   # what the planner times; FP8 GEMMs read and return bf16 too
+        if self.cp > 1:
+            settings["cp_comm_type"] = [self.cp_comm_type]
+        if self.cp > 1 and self.cp_comm_type == "a2a+p2p":
+            settings["hierarchical_context_parallel_sizes"] = [self.cp_a2a_size, self.cp // self.cp_a2a_size]
+        if self.virtual_stages > 1:
+            settings["virtual_pipeline_model_parallel_size"] = self.virtual_stages
+        if moe and self.ep > 1:
+            settings["expert_model_parallel_size"] = self.ep
+        if moe and self.expert_tp != self.tp:
+            settings["expert_tensor_parallel_size"] = self.expert_tp
+        if moe and self.dispatches:
+            settings["moe_token_dispatcher_type"] = self.moe_dispatcher
+        if self.first_stage_layers is not None:
+            settings["decoder_first_pipeline_num_layers"] = self.first_stage_layers
+        if self.last_stage_layers is not None:
+            settings["decoder_last_pipeline_num_layers"] = self.last_stage_layers
+        settings.update(_switches(sequence_parallel=self.sequence_parallel,
+                                  tp_comm_overlap=self.sequence_parallel and self.tp_comm_overlap,
+                                  overlap_p2p_communication=self.pp > 1 and self.overlap_p2p_communication,
+                                  use_torch_fsdp2=self.fsdp,
+                                  use_distributed_optimizer=self.distributed_optimizer and not self.fsdp))
+        if self.distributed_optimizer and not self.fsdp and self.moment_bytes < 8:
+            settings.update(use_precision_aware_optimizer=True, exp_avg_dtype=self.exp_avg_dtype,
+                            exp_avg_sq_dtype=self.exp_avg_sq_dtype)
+        if self.recompute == "full":   # what memory.py models: each layer keeps only its input
+            settings.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        elif self.recompute != "none":
+            settings["recompute_granularity"] = self.recompute
+        # As predicted: the gradients' reduction under backward wherever there are replicas (FSDP2
+        # reduces per layer anyway), the parameters' gather under forward with the distributed optimizer.
+        settings.update(_switches(
+            overlap_grad_reduce=self.overlap_grad_reduce and self.reduces_gradients and not self.fsdp,
+            overlap_param_gather=self.overlap_param_gather and self.reduces_gradients and self.distributed_optimizer
+            and not self.fsdp))
+        if self.fp8_format:
+            settings.update(fp8_format=self.fp8_format, fp8_recipe=self.fp8_recipe)
+        if self.fp8_format and self.first_last_layers_bf16:
+            settings.update(first_last_layers_bf16=True, num_layers_at_start_in_bf16=self.num_layers_at_start_in_bf16,
+                            num_layers_at_end_in_bf16=self.num_layers_at_end_in_bf16)
+        # As set, so that the trainer refuses what it cannot run (these without --fp8-format).
+        settings.update(_switches(no_fp8_wgrad=self.no_fp8_wgrad, fp8_experts=self.fp8_experts,
+                                  fp8_param_gather=self.fp8_param_gather))
+        if not self.compiled:   # tessera train compiles on GPUs unless told not to
+            settings["compile"] = False
+        return settings
+
     def flags(self, moe: bool = True) -> list[str]:
         """The `tessera train` flags of this layout (the expert flags only for a `moe` model)."""
-        flags = ["--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp),
-                 "--context-parallel-size", str(self.cp), "--micro-batch-size", str(self.micro_batch_size)]
-        if self.cp > 1:
-            flags += ["--cp-comm-type", self.cp_comm_type]
-        if self.cp > 1 and self.cp_comm_type == "a2a+p2p":
-            flags += ["--hierarchical-context-parallel-sizes", str(self.cp_a2a_size), str(self.cp // self.cp_a2a_size)]
-        if self.virtual_stages > 1:
-            flags += ["--virtual-pipeline-model-parallel-size", str(self.virtual_stages)]
-        if moe and self.ep > 1:
-            flags += ["--expert-model-parallel-size", str(self.ep)]
-        if moe and self.expert_tp != self.tp:
-            flags += ["--expert-tensor-parallel-size", str(self.expert_tp)]
-        if moe and self.dispatches:
-            flags += ["--moe-token-dispatcher-type", self.moe_dispatcher]
-        for flag, value in (("--decoder-first-pipeline-num-layers", self.first_stage_layers),
-                            ("--decoder-last-pipeline-num-layers", self.last_stage_layers)):
-            if value is not None:
-                flags += [flag, str(value)]
-        if self.sequence_parallel:
-            flags.append("--sequence-parallel")
-        if self.sequence_parallel and self.tp_comm_overlap:
-            flags.append("--tp-comm-overlap")
-        if self.pp > 1 and self.overlap_p2p_communication:
-            flags.append("--overlap-p2p-communication")
-        if self.fsdp:
-            flags.append("--use-torch-fsdp2")
-        elif self.distributed_optimizer:
-            flags.append("--use-distributed-optimizer")
-        if self.distributed_optimizer and not self.fsdp and self.moment_bytes < 8:
-            flags += ["--use-precision-aware-optimizer", "--exp-avg-dtype", self.exp_avg_dtype,
-                      "--exp-avg-sq-dtype", self.exp_avg_sq_dtype]
-        if self.recompute == "full":   # what memory.py models: each layer keeps only its input
-            flags += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
-        elif self.recompute != "none":
-            flags += ["--recompute-granularity", self.recompute]
-        if self.overlap_grad_reduce and self.dp > 1 and not self.fsdp:   # as predicted
-            flags.append("--overlap-grad-reduce")
-        if self.overlap_param_gather and self.distributed_optimizer and self.dp > 1:
-            flags.append("--overlap-param-gather")
-        if self.fp8_format:   # FP8 GEMMs read and return bf16
-            flags += ["--bf16", "--fp8-format", self.fp8_format, "--fp8-recipe", self.fp8_recipe]
-        if self.fp8_format and self.first_last_layers_bf16:
-            flags += ["--first-last-layers-bf16", "--num-layers-at-start-in-bf16", str(self.num_layers_at_start_in_bf16),
-                      "--num-layers-at-end-in-bf16", str(self.num_layers_at_end_in_bf16)]
-        if self.fp8_format and self.no_fp8_wgrad:
-            flags.append("--no-fp8-wgrad")
-        if self.fp8_format and self.fp8_experts:
-            flags.append("--fp8-experts")
-        if self.fp8_format and self.fp8_param_gather:
-            flags.append("--fp8-param-gather")
-            if self.fsdp:   # FSDP2's E4M3 gathers run uncompiled (tessera.config.run)
-                flags.append("--no-compile")
+        flags = []
+        for name, value in self.train_settings(moe).items():
+            if isinstance(value, bool):   # a switch; only --compile's is ever turned off (its default is on)
+                flags.append(flag(name) if value else f"--no-{flag(name)[2:]}")
+            else:
+                flags += [flag(name), *map(str, value if isinstance(value, list) else [value])]
         return flags
 
 
+def _switches(**on: bool) -> dict:
+    """The switches that are on (a switch left off is the trainer's default and prints nothing)."""
+    return {name: True for name, value in on.items() if value}
+
+
 def check_layout(model: ModelConfig, layout: Layout, global_batch_size: int, seq_length: int) -> None:
-    """Raise ConfigError, naming the flag, if Megatron could not run this layout."""
-    tp, pp, cp, vp = layout.tp, layout.pp, layout.cp, layout.virtual_stages
-    require(min(tp, pp, cp, layout.dp, vp, layout.micro_batch_size) >= 1, "parallel sizes must be positive")
-    require(model.num_attention_heads % tp == 0,
-            f"--num-attention-heads ({model.num_attention_heads}) must be divisible by "
-            f"--tensor-model-parallel-size ({tp})")
-    require(model.num_query_groups % tp == 0,
-            f"--num-query-groups ({model.num_query_groups}) must be divisible by --tensor-model-parallel-size ({tp})")
-    require(pp > 1 or not layout.uneven, "--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1")
-    layout.layers_per_rank(model.num_layers)   # raises, naming --num-layers and the split flags
-    require(vp == 1 or pp > 1, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
-    require(not layout.sequence_parallel or tp > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1")
-    require(seq_length % (2 * cp) == 0 if cp > 1 else True,
-            f"--seq-length ({seq_length}) must be divisible by 2 x --context-parallel-size ({cp})")
-    _check_context_parallel(model, layout)
+    """Raise ConfigError, naming the flag, unless `tessera train` runs this layout: the trainer's
+    config itself (tessera.perf.trainer_rules), then what the trainer finds only when it builds
+    the model and the pipeline schedule."""
+    require(min(layout.tp, layout.pp, layout.cp, layout.dp, layout.virtual_stages, layout.micro_batch_size) >= 1,
+            "parallel sizes must be positive")
+    # What the settings could not express.
     require(not (layout.fsdp and layout.distributed_optimizer),
             "--use-torch-fsdp2 and --use-distributed-optimizer are exclusive")
     require(layout.recompute in RECOMPUTE, f"--recompute-granularity must be one of {', '.join(RECOMPUTE[1:])}")
-    per_step = layout.micro_batch_size * layout.dp
-    require(global_batch_size % per_step == 0,
-            f"--global-batch-size ({global_batch_size}) must be divisible by --micro-batch-size "
-            f"({layout.micro_batch_size}) x data-parallel size ({layout.dp}) = {per_step}")
-    _check_experts(model, layout)
-    if layout.fp8_format is not None or layout.fp8_param_gather:   # tessera train's own FP8 checks, in its words
-        TrainConfig(train_iters=1, bf16=True, **{name: getattr(layout, name) for name in FP8_FIELDS})
-    # The E4M3 copies are cast and gathered by the distributed optimizer (tessera.parallel.fp8_gather)
-    # or by FSDP2 (tessera.parallel.fsdp_fp8), uncompiled.
-    require(not layout.fp8_param_gather or layout.distributed_optimizer or layout.fsdp,
-            "--fp8-param-gather needs --use-distributed-optimizer or --use-torch-fsdp2")
-    require(not (layout.fp8_param_gather and layout.fsdp and layout.compiled),
-            "--fp8-param-gather with --use-torch-fsdp2 does not combine with --compile (use --no-compile)")
-    if vp > 1:
-        micro_batches = layout.num_micro_batches(global_batch_size)
-        require(micro_batches % pp == 0,
-                f"the interleaved schedule needs the number of micro-batches ({micro_batches}) to be a "
-                f"multiple of --pipeline-model-parallel-size ({pp})")
-
-
-def _check_context_parallel(model: ModelConfig, layout: Layout) -> None:
-    """--cp-comm-type's own rules (tessera.config.parallel says the same to `tessera train`)."""
-    kind, cp = layout.cp_comm_type, layout.cp
-    require(kind in CP_COMM_TYPES, f"--cp-comm-type {kind}: choose from {', '.join(CP_COMM_TYPES)}")
-    if cp == 1 or kind not in ("a2a", "a2a+p2p"):
-        return
-    require(kind == "a2a" or layout.cp_a2a_size, "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes")
-    inner = cp if kind == "a2a" else layout.cp_a2a_size
-    require(cp % inner == 0, f"--hierarchical-context-parallel-sizes: {inner} must divide --context-parallel-size ({cp})")
-    heads = model.num_attention_heads // layout.tp
-    groups = heads if model.multi_latent_attention else max(model.num_query_groups // layout.tp, 1)
-    require(heads % inner == 0 and groups % inner == 0,
-            f"--cp-comm-type {kind}: attention heads ({heads}) and KV groups ({groups}) per "
-            f"--tensor-model-parallel-size rank must be divisible by {inner}")
-
-
-def _check_experts(model: ModelConfig, layout: Layout) -> None:
-    """The trainer's rules for MoE layouts (tessera.config.moe), in its words."""
-    check_expert_layout(model, tp=layout.tp, cp=layout.cp, dp=layout.dp, ep=layout.ep, etp=layout.expert_tp,
-                        sequence_parallel=layout.sequence_parallel)
     require(layout.moe_dispatcher in DISPATCHERS,
             f"--moe-token-dispatcher-type must be one of {', '.join(DISPATCHERS)}")
+    require(layout.cp_comm_type != "a2a+p2p" or layout.cp == 1 or layout.cp_a2a_size,
+            "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes")
+    trainer_config(model if seq_length == model.seq_length else replace(model, seq_length=seq_length), layout,
+                   global_batch_size)
+    require(model.num_query_groups % layout.tp == 0,
+            f"--num-query-groups ({model.num_query_groups}) must be divisible by --tensor-model-parallel-size "
+            f"({layout.tp})")
+    layout.layers_per_rank(model.num_layers)   # raises, naming --num-layers and the split flags
+    if layout.virtual_stages > 1:
+        micro_batches = layout.num_micro_batches(global_batch_size)
+        require(micro_batches % layout.pp == 0,
+                f"the interleaved schedule needs the number of micro-batches ({micro_batches}) to be a "
+                f"multiple of --pipeline-model-parallel-size ({layout.pp})")

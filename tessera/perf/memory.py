@@ -253,11 +253,25 @@ class StageParameters(NamedTuple):
         return self.dense + self.experts
 
 
-def stage_parameters(model: ModelConfig, layout: Layout, vocab_size: int, pp_rank: int) -> StageParameters:
-    """Parameters held by one GPU of pipeline rank `pp_rank`."""
+class ModelLayers(NamedTuple):
+    """What the memory model reads of each layer of a model, worked out once (a search asks often)."""
+
+    moe: list[bool]                    # ModelConfig.moe_layers
+    parameters: list[LayerParameters]  # flops.layer_parameters
+    mtp: LayerParameters               # mtp_parameters
+
+    @classmethod
+    def of(cls, model: ModelConfig) -> "ModelLayers":
+        return cls(model.moe_layers(), layer_parameters(model), mtp_parameters(model))
+
+
+def stage_parameters(model: ModelConfig, layout: Layout, vocab_size: int, pp_rank: int,
+                     layers_of: ModelLayers | None = None) -> StageParameters:
+    """Parameters held by one GPU of pipeline rank `pp_rank` (`layers_of` the model's, if at hand)."""
     h = model.hidden_size
+    layers_of = layers_of or ModelLayers.of(model)
     first, last = pp_rank == 0, pp_rank == layout.pp - 1
-    every_layer = layer_parameters(model)
+    every_layer = layers_of.parameters
     indices = layout.rank_layers(model.num_layers)[pp_rank]
     layers = [every_layer[i] for i in indices]
     params = sum(layer.dense for layer in layers) / layout.tp
@@ -266,7 +280,7 @@ def stage_parameters(model: ModelConfig, layout: Layout, vocab_size: int, pp_ran
     if first:
         params += word_embedding + positions
     experts = sum(layer.experts for layer in layers)
-    fp8, moe = layout.fp8_layers(model.num_layers), model.moe_layers()
+    fp8, moe = layout.fp8_layers(model.num_layers), layers_of.moe
     fp8_linears = sum(fp8_linear_weights(model, moe[i]) for i in indices if fp8[i]) / layout.tp
     if last:
         params += h * (2 if model.normalization == "LayerNorm" else 1)
@@ -274,8 +288,7 @@ def stage_parameters(model: ModelConfig, layout: Layout, vocab_size: int, pp_ran
             params += word_embedding   # the output layer
         if not first and model.last_stage_embedding:
             params += word_embedding   # this stage's copy of the word embedding (tied output layer, MTP input)
-        mtp = mtp_parameters(model)
-        params, experts = params + mtp.dense / layout.tp, experts + mtp.experts
+        params, experts = params + layers_of.mtp.dense / layout.tp, experts + layers_of.mtp.experts
     return StageParameters(params, experts / (layout.ep * layout.expert_tp), fp8_linears)
 
 
@@ -303,16 +316,19 @@ def mtp_parameters(model: ModelConfig) -> LayerParameters:
 
 
 def estimate_memory(model: ModelConfig, layout: Layout, global_batch_size: int, seq_length: int,
-                    vocab_size: int | None = None) -> MemoryBreakdown:
-    """Peak bytes on the fullest GPU of the layout (the largest of its pipeline stages)."""
+                    vocab_size: int | None = None, layers_of: ModelLayers | None = None,
+                    ranks: range | None = None) -> MemoryBreakdown:
+    """Peak bytes on the fullest GPU of the layout (the largest of its pipeline stages; of `ranks`
+    of them if given: the first alone, which holds the most micro-batches, is a quick lower bound)."""
     vocab = vocab_size if vocab_size is not None else model.padded_vocab_size(layout.tp)
-    return max((_stage_memory(model, layout, global_batch_size, seq_length, vocab, rank) for rank in range(layout.pp)),
-               key=lambda m: m.total)
+    layers_of = layers_of or ModelLayers.of(model)
+    return max((_stage_memory(model, layout, global_batch_size, seq_length, vocab, rank, layers_of)
+                for rank in ranks or range(layout.pp)), key=lambda m: m.total)
 
 
 def _stage_memory(model: ModelConfig, layout: Layout, global_batch_size: int, seq_length: int,
-                  vocab: int, pp_rank: int) -> MemoryBreakdown:
-    params = stage_parameters(model, layout, vocab, pp_rank)
+                  vocab: int, pp_rank: int, layers_of: ModelLayers) -> MemoryBreakdown:
+    params = stage_parameters(model, layout, vocab, pp_rank, layers_of)
     num_micro_batches = layout.num_micro_batches(global_batch_size)
     # Dense state is sharded over DP x CP, the experts' over their own replicas (EDP).
     dense_bytes = _state_bytes_per_parameter(layout, num_micro_batches, layout.dp * layout.cp)
@@ -320,12 +336,12 @@ def _stage_memory(model: ModelConfig, layout: Layout, global_batch_size: int, se
     weights, gradients, optimizer = (d * params.dense + e * params.experts for d, e in zip(dense_bytes, expert_bytes))
     if layout.fp8_param_gather:   # the E4M3 copy gathered into, beside the bf16 weights (FSDP2: its shard)
         weights += params.fp8_linears / (layout.dp * layout.cp) if layout.fsdp else params.fp8_linears
-    moe = model.moe_layers()
+    moe = layers_of.moe
     layers = layout.rank_layers(model.num_layers)[pp_rank]
     buffers = 0.0
     if layout.fsdp:
         # The largest layer being computed and the one being prefetched, unsharded (bf16 weights, fp32 grads).
-        every_layer = layer_parameters(model)
+        every_layer = layers_of.parameters
         largest = max(every_layer[i].dense / layout.tp + every_layer[i].experts / (layout.ep * layout.expert_tp)
                       for i in layers)
         buffers += 2 * 6.0 * largest

@@ -7,15 +7,13 @@ import itertools
 import math
 from dataclasses import replace
 
-from tessera.config import ConfigError, ModelConfig
-from tessera.perf.cluster import Cluster
-from tessera.perf.kernels import KernelCurves
+from tessera.config import ConfigError
+from tessera.parallel.pipeline_schedules import stage_layer_ranges
 from tessera.perf.layout import Layout
 from tessera.perf.simulator import StepModel, micro_batch_passes
 
 
-def balance_pipeline(model: ModelConfig, layout: Layout, cluster: Cluster, curves: KernelCurves,
-                     seq_length: int) -> Layout:
+def balance_pipeline(steps: StepModel, layout: Layout) -> Layout:
     """The layout with --decoder-first/last-pipeline-num-layers set so that the slowest
     pipeline rank is as fast as it can be (the even split if nothing beats it).
 
@@ -26,8 +24,7 @@ def balance_pipeline(model: ModelConfig, layout: Layout, cluster: Cluster, curve
     """
     if layout.pp == 1:
         return layout
-    steps = StepModel(model, cluster, curves, seq_length)
-    kinds = list(zip(model.moe_layers(), layout.fp8_layers(model.num_layers)))   # (MoE, FP8) of each layer
+    model, kinds = steps.model, steps.layer_kinds(layout)
 
     def seconds(kind: tuple[bool, bool]) -> float:
         return sum(phase.total for phase in micro_batch_passes([steps.layer(layout, *kind)], layout.recompute, None))
@@ -39,14 +36,18 @@ def balance_pipeline(model: ModelConfig, layout: Layout, cluster: Cluster, curve
     even = model.num_layers // (layout.pp * layout.virtual_stages)
     reach = range(max(1, even - math.ceil(output / layer) - 1), even + math.ceil(output / layer) + 2)
 
+    prefix = list(itertools.accumulate(layer_times, initial=0.0))   # time of the layers before each
+
     def cost(first: int | None, last: int | None) -> tuple[float, int]:
         """(slowest rank's time in layers, stages' distance from even): among equally fast
         splits the nearest to even, whose chunks stay alike under interleaving."""
-        candidate = replace(layout, first_stage_layers=first, last_stage_layers=last)
-        per_rank = candidate.rank_layers(model.num_layers)
-        slowest = max(sum(layer_times[i] for i in layers) + (output if rank == layout.pp - 1 else 0.0)
-                      for rank, layers in enumerate(per_rank))
-        return round(slowest / layer, 6), sum(abs(size - even) for size in candidate.stage_layers(model.num_layers))
+        stages = stage_layer_ranges(model.num_layers, layout.pp, layout.virtual_stages, first_stage_layers=first,
+                                    last_stage_layers=last)
+        per_rank = [0.0] * layout.pp
+        for index, stage in enumerate(stages):   # stage c * pp + r is chunk c of rank r
+            per_rank[index % layout.pp] += prefix[stage.stop] - prefix[stage.start]
+        per_rank[-1] += output
+        return round(max(per_rank) / layer, 6), sum(abs(len(stage) - even) for stage in stages)
 
     options = {}
     for first, last in itertools.product([None, *reach], repeat=2):

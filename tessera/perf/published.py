@@ -1,6 +1,6 @@
 """Megatron-Core's published H100 scaling runs, and the planner's predictions for them.
 
-Source: shared/reference/published-results.md (Megatron-LM README, r0.8.0, July 2024).
+Source: Megatron-LM's README, release r0.8.0 (July 2024), its weak and strong scaling tables.
 Every run: GPT with vocabulary 131,072, sequence 4,096, FFN 4h, bf16, DGX H100 nodes,
 --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap (and so the distributed
 optimizer and sequence parallelism). MFU there is TFLOP/s / 989 with the FLOPs formula of
@@ -11,7 +11,7 @@ the fastest layout that fits, with TP, PP and DP held at the published values.
 
 One MoE point: Megatron-Core's MoE README (v0.9) gives 468 TFLOP/s/GPU for Mixtral 8x7B in
 bf16 without its setup; the README's H100 reference mapping for that model is taken as the
-setup (shared/reference/moe.md, section 6), counted with the FLOPs formula of the time
+setup, counted with the FLOPs formula of the time
 (no causal halving; its k x ffn equals k x moe_ffn for Mixtral).
 """
 
@@ -88,7 +88,8 @@ def predict_mixtral(curves: KernelCurves | None = None) -> Prediction:
 
 def predict_run(run: PublishedRun, curves: KernelCurves) -> Prediction:
     """The planner's best layout for a published run, TP/PP/DP fixed as published."""
-    space = SearchSpace(tp=(run.tp,), pp=(run.pp,), cp=(1,), balance_pipeline=False)   # Megatron splits evenly
+    # Megatron splits evenly; the runs had --tp-comm-overlap (Transformer Engine's).
+    space = SearchSpace(tp=(run.tp,), pp=(run.pp,), cp=(1,), balance_pipeline=False, tp_comm_overlap=True)
     best = search(run.model(), run.gpus, CLUSTER, curves, run.global_batch_size, SEQ_LENGTH, space,
                   causal_flops=False, top=1)
     if not best:

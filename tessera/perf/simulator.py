@@ -45,7 +45,7 @@ from tessera.perf.flops import _core_attention_width, flops_per_iteration
 from tessera.perf.fp8 import fp8_gemm
 from tessera.perf.kernels import KernelCurves
 from tessera.perf.layout import Layout
-from tessera.perf.memory import MemoryBreakdown, StageParameters, estimate_memory, stage_parameters
+from tessera.perf.memory import MemoryBreakdown, ModelLayers, StageParameters, estimate_memory, stage_parameters
 from tessera.perf.moe import add_routed_experts
 
 # Bytes a parameter costs in the optimizer step: Adam reads fp32 param, grad, m, v (16),
@@ -114,14 +114,58 @@ class Prediction:
         return self.tokens_per_iteration / self.step_time
 
 
+# Layout fields that a layer's and the output layer's passes do not depend on (the pipeline, data
+# parallelism, the optimizer): StepModel times each pass once per setting of the other fields.
+_NOT_PER_LAYER = frozenset({"pp", "dp", "virtual_stages", "first_stage_layers", "last_stage_layers", "recompute",
+                            "distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather",
+                            "overlap_p2p_communication"})
+
+
+def _per_layer_key(layout: Layout) -> tuple:
+    return tuple(value for name, value in layout.__dict__.items() if name not in _NOT_PER_LAYER)
+
+
 class StepModel:
-    """Times the pieces of a training step for one model, sequence and cluster."""
+    """Times the pieces of a training step for one model, sequence and cluster; one StepModel
+    shared by many predictions (a search) times each layer setting once."""
 
     def __init__(self, model: ModelConfig, cluster: Cluster, curves: KernelCurves, seq_length: int,
                  dtype: str = "bf16"):
         self.model, self.cluster, self.curves, self.seq = model, cluster, curves, seq_length
         self.peak = cluster.gpu.peak_tflops[dtype] * 1e12
         self.hbm = cluster.gpu.hbm_tb_per_s * 1e12 * curves.hbm_efficiency
+        self.layers_of = ModelLayers.of(model)
+        self._passes: dict[tuple, tuple[Phase, Phase] | float] = {}   # read-only once made
+
+    def layer_kinds(self, layout: Layout) -> list[tuple[bool, bool]]:
+        """(MoE, FP8) of each layer: the layers whose passes differ."""
+        return list(zip(self.layers_of.moe, layout.fp8_layers(self.model.num_layers)))
+
+    def layer(self, layout: Layout, moe: bool = False, fp8: bool = False) -> tuple[Phase, Phase]:
+        """Forward and backward of one transformer layer (a MoE layer if `moe`, its tensor-parallel
+        linears in FP8 if `fp8`) for one micro-batch on one GPU."""
+        key = ("layer", _per_layer_key(layout), moe, fp8)
+        if key not in self._passes:
+            self._passes[key] = self._layer(layout, moe, fp8)
+        return self._passes[key]
+
+    def all_layers(self, layout: Layout) -> float:
+        """Seconds of one micro-batch's forward and backward through every layer and the output
+        layer (with the MTP depths) one after the other: the pipeline ranks' times summed."""
+        key = ("all", _per_layer_key(layout))
+        if key not in self._passes:
+            passes = [self.layer(layout, *kind) for kind in self.layer_kinds(layout)]
+            passes.append(self.output_layer(layout, self.model.padded_vocab_size(layout.tp)))
+            self._passes[key] = sum(fwd.total + bwd.total for fwd, bwd in passes)
+        return self._passes[key]
+
+    def output_layer(self, layout: Layout, vocab: int) -> tuple[Phase, Phase]:
+        """Logits GEMM and vocab-parallel cross-entropy for one micro-batch (last stage), then each
+        multi-token prediction depth (tessera.perf.deepseek)."""
+        key = ("output", _per_layer_key(layout), vocab)
+        if key not in self._passes:
+            self._passes[key] = self._output_layer(layout, vocab)
+        return self._passes[key]
 
     def gemm(self, m: float, n: float, k: float, groups: int = 1, peak: float | None = None,
              bytes_per_element: int = 2, curves: KernelCurves | None = None) -> tuple[float, float, float]:
@@ -140,9 +184,7 @@ class StepModel:
         """HBM bytes per token of the MLP's activation function on `width` features (forward, backward)."""
         return (6 * width, 10 * width) if self.model.swiglu else (4 * width, 6 * width)
 
-    def layer(self, layout: Layout, moe: bool = False, fp8: bool = False) -> tuple[Phase, Phase]:
-        """Forward and backward of one transformer layer (a MoE layer if `moe`, its tensor-parallel
-        linears in FP8 if `fp8`) for one micro-batch on one GPU."""
+    def _layer(self, layout: Layout, moe: bool, fp8: bool) -> tuple[Phase, Phase]:
         model, t = self.model, layout.tp
         tokens = layout.micro_batch_size * self.seq / layout.cp
         h = model.hidden_size
@@ -275,9 +317,7 @@ class StepModel:
             fwd.add("cp_comm", _overlapped(ring, fwd.times["attention"], True, link))
             bwd.add("cp_comm", _overlapped(2 * ring, bwd.times["attention"], True, link))
 
-    def output_layer(self, layout: Layout, vocab: int) -> tuple[Phase, Phase]:
-        """Logits GEMM and vocab-parallel cross-entropy for one micro-batch (last stage), then each
-        multi-token prediction depth (tessera.perf.deepseek)."""
+    def _output_layer(self, layout: Layout, vocab: int) -> tuple[Phase, Phase]:
         model, t = self.model, layout.tp
         tokens = layout.micro_batch_size * self.seq / layout.cp
         logits = self.gemm(tokens, vocab / t, model.hidden_size)
@@ -294,9 +334,10 @@ class StepModel:
 
 def predict(model: ModelConfig, layout: Layout, cluster: Cluster, curves: KernelCurves,
             global_batch_size: int, seq_length: int, causal_flops: bool = True,
-            dtype: str = "bf16") -> Prediction:
-    """Step time, memory and MFU of one layout (checked beforehand with check_layout)."""
-    steps = StepModel(model, cluster, curves, seq_length, dtype)
+            dtype: str = "bf16", steps: StepModel | None = None) -> Prediction:
+    """Step time, memory and MFU of one layout (checked beforehand with check_layout); `steps`,
+    the StepModel of the same model, cluster, curves, sequence and dtype, to share its timings."""
+    steps = steps or StepModel(model, cluster, curves, seq_length, dtype)
     vocab = model.padded_vocab_size(layout.tp)
     micro_batches = layout.num_micro_batches(global_batch_size)
     output = steps.output_layer(layout, vocab)
@@ -322,10 +363,10 @@ def predict(model: ModelConfig, layout: Layout, cluster: Cluster, curves: Kernel
         if model.tie_embeddings:  # first and last stage sum their embedding gradients
             embedding = vocab * model.hidden_size / layout.tp * GRAD_BYTES
             step.add("dp_comm", cluster.all_reduce(embedding, 2, 1))
-    params = stage_parameters(model, layout, vocab, slowest)
+    params = stage_parameters(model, layout, vocab, slowest, steps.layers_of)
     _data_parallel(step, steps, layout, params, rank_layers[slowest], fwd.total, bwd.total, micro_batches)
 
-    memory = estimate_memory(model, layout, global_batch_size, seq_length, vocab)
+    memory = estimate_memory(model, layout, global_batch_size, seq_length, vocab, steps.layers_of)
     model_flops = flops_per_iteration(model, global_batch_size, seq_length, vocab, causal=causal_flops)
     return Prediction(layout, step.total, step.times, memory, model_flops, layout.gpus, steps.peak,
                       global_batch_size * seq_length)
@@ -333,7 +374,7 @@ def predict(model: ModelConfig, layout: Layout, cluster: Cluster, curves: Kernel
 
 def _rank_layer_passes(steps: StepModel, layout: Layout) -> list[list[tuple[Phase, Phase]]]:
     """Per pipeline rank, the (forward, backward) of one micro-batch through each of its layers."""
-    kinds = list(zip(steps.model.moe_layers(), layout.fp8_layers(steps.model.num_layers)))   # (MoE, FP8)
+    kinds = steps.layer_kinds(layout)
     passes = {kind: steps.layer(layout, *kind) for kind in set(kinds)}
     return [[passes[kinds[i]] for i in layers] for layers in layout.rank_layers(steps.model.num_layers)]
 
@@ -412,9 +453,10 @@ def _data_parallel(step: Phase, steps: StepModel, layout: Layout, params: StageP
 
 
 def _exposed(comms: list[tuple[float, Link]], window: float, one_bucket: float, overlap: bool) -> float:
-    """Bucketed DP collectives (seconds, link) beside one micro-batch's pass: at least the last bucket shows."""
+    """Bucketed DP collectives (seconds, link) beside one micro-batch's pass: at least the last bucket
+    shows, and never more than without the overlap (all of it, when it is one bucket)."""
     total = sum(seconds for seconds, _ in comms)
     if not overlap or not total:
         return total
     interference = sum(seconds * link.interference for seconds, link in comms) / total
-    return max(one_bucket, max(total - window, 0.0) + interference * min(total, window))
+    return min(total, max(one_bucket, max(total - window, 0.0) + interference * min(total, window)))

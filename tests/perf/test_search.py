@@ -22,7 +22,6 @@ def preset(name, seq):
 @pytest.mark.parametrize("layout, flag", [
     (Layout(tp=3), "--num-attention-heads"),
     (Layout(pp=7), "--num-layers"),
-    (Layout(sequence_parallel=True), "--sequence-parallel"),
     (Layout(dp=3), "--global-batch-size"),
     (Layout(pp=2, virtual_stages=2, dp=1), "interleaved"),
     (Layout(ep=2), "--expert-model-parallel-size"),
