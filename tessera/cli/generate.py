@@ -34,8 +34,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--dtype", choices=DTYPES, default="auto", help="weights' dtype; auto: bfloat16 on a GPU, "
                        "float32 on the CPU")
     model.add_argument("--device", help="torch device (default: cuda if there is one, else cpu)")
-    tokenizer = parser.add_argument_group("tokenizer (default: the files of --hf or --load, else the checkpoint's "
-                                          "training flags)")
+    tokenizer = parser.add_argument_group("tokenizer (default: the tokenizer files of --hf or --load, else the "
+                                          "copy of its tokenizer a tessera checkpoint carries)")
     tokenizer.add_argument("--tokenizer-type", choices=DataConfig.TOKENIZER_TYPES, metavar="TYPE",
                            help=f"as for `tessera train`: {', '.join(DataConfig.TOKENIZER_TYPES)}")
     tokenizer.add_argument("--tokenizer-model", help="tokenizer file or directory (tokenizer.json, .model, ...)")

@@ -336,8 +336,9 @@ class Checkpointer:
         trainer.optimizer.cast_fp8_shards()   # FSDP2's E4M3 shards, from the weights just loaded
         masters = master_weights(trainer.optimizer)
         if masters:  # fp32 masters read from the same (fp32) weights, not from the bf16 copy
-            dcp.load(master_state(trainer.model, masters), storage_reader=dcp.FileSystemReader(directory),
-                     planner=LoadPlanner())
+            with single_process_ok():
+                dcp.load(master_state(trainer.model, masters), storage_reader=dcp.FileSystemReader(directory),
+                         planner=LoadPlanner())
             trainer.optimizer.inner.store_master_weights(masters)
         if weights_only:
             return

@@ -52,3 +52,28 @@ def test_eos_ids_come_from_the_generation_config_first(tmp_path):
     generation = json.loads((tmp_path / "generation_config.json").read_text())
     (tmp_path / "generation_config.json").write_text(json.dumps(dict(generation, eos_token_id=[7, 8])))
     assert load_model(hf=str(tmp_path))[1].eos_token_ids == (7, 8)
+
+
+def test_the_tokenizer_a_checkpoint_carries_is_found_from_any_directory(tmp_path, monkeypatch):
+    """config.yaml names the tokenizer's copy relative to the checkpoint directory; loading makes it
+    absolute. A path that names no copy (an older checkpoint's original) is left as it was."""
+    import dataclasses
+
+    from tessera.config import DataConfig
+    from tessera.training.checkpoint_files import copy_tokenizer, iteration_dir, write_checkpoint
+    from tessera.training.checkpoint_state import whole
+
+    model = tiny_model()
+    (tmp_path / "sp.model").write_bytes(b"a sentencepiece model")
+    for root, data in (("ckpt", DataConfig(tokenizer_type="SentencePieceTokenizer", tokenizer_model="sp.model")),
+                       ("old", DataConfig(tokenizer_type="SentencePieceTokenizer", tokenizer_model="gone/sp.model"))):
+        monkeypatch.chdir(tmp_path)
+        config = {"model": dataclasses.asdict(model.config), "data": dataclasses.asdict(data)}
+        if root == "ckpt":
+            config["data"].update(copy_tokenizer(data, tmp_path / root))
+        state = {f"model.{name}": whole(t) for name, t in model.state_dict().items()}
+        write_checkpoint(iteration_dir(tmp_path / root, 1), state, config)
+    monkeypatch.chdir("/")
+    saved = load_model(load=str(tmp_path / "ckpt"))[1].checkpoint_config["data"]
+    assert saved["tokenizer_model"] == str(tmp_path / "ckpt" / "tokenizer" / "sp.model")
+    assert load_model(load=str(tmp_path / "old"))[1].checkpoint_config["data"]["tokenizer_model"] == "gone/sp.model"

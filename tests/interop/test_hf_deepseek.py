@@ -24,10 +24,10 @@ from tessera.cli import run
 from tessera.config import ModelConfig
 from tessera.interop.hf import hf_state_from_tessera, load_hf, read_hf_dir
 from tessera.interop.hf_config import UnsupportedModel, hf_config_from_model, infer_family, model_config_from_hf
-from tessera.models.gpt import GPTModel, initialize_parameters
 from tessera.models.mtp import shift_left
 from tessera.models.presets import preset_values
 from tests.interop.test_hf_moe import assert_routes_alike, widened
+from tests.interop.test_hf_presets import wide_model
 
 VOCAB, LAYERS = 101, 3
 # theta 100 and an original length of 16 (x 4 = max_position_embeddings) put the YaRN ramp across
@@ -227,18 +227,7 @@ def test_a_tiny_deepseek_trained_in_tessera_exports_to_what_transformers_compute
     from tessera.training.checkpoint_files import save_model_checkpoint
 
     config = ModelConfig(**{**preset_values("tiny-deepseek"), "make_vocab_size_divisible_by": 1})
-    model = GPTModel(config).eval()
-    initialize_parameters(model, seed=3)
-    generator = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.normal_(1.0, 0.1, generator=generator)
-            elif "router" in name:
-                param.normal_(0.0, 0.5, generator=generator)
-        for name, buffer in model.named_buffers():
-            if name.endswith("expert_bias"):
-                buffer.normal_(0.0, 0.1, generator=generator)
+    model = wide_model(config)
     save_model_checkpoint(tmp_path / "ckpt", config, model.state_dict())
     assert run(["convert", "tessera-to-hf", "--input", str(tmp_path / "ckpt"), "--output", str(tmp_path / "out")]) == 0
     hf_config = json.loads((tmp_path / "out" / "config.json").read_text())

@@ -25,6 +25,7 @@ from tessera.interop.hf_config import (
 )
 from tessera.models.gpt import GPTModel
 from tessera.models.moe import grouped_mm_available
+from tests.interop.test_hf_presets import wide_model
 
 VOCAB = 101
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -273,20 +274,12 @@ def test_tessera_models_no_hf_family_computes_are_refused(changes, message):
 ], ids=["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_a_model_trained_in_tessera_exports_to_what_transformers_computes(changes, tmp_path):
     """No imported config to start from: the written config.json alone must describe the model."""
-    from tessera.models.gpt import initialize_parameters
     from tessera.training.checkpoint_files import save_model_checkpoint
 
     config = ModelConfig(**{**_TINY, "num_layers": 3, "group_query_attention": True, "num_query_groups": 2,
                             "ffn_hidden_size": 96, "init_method_std": 0.1, "untie_embeddings_and_output_weights": True,
                             **changes})
-    model = GPTModel(config).eval()
-    initialize_parameters(model, seed=3)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "router" in name:
-                param.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(4))
-            elif "norm" in name or name.endswith("bias"):
-                param.normal_(1.0 if "norm" in name else 0.0, 0.1, generator=torch.Generator().manual_seed(5))
+    model = wide_model(config)
     save_model_checkpoint(tmp_path / "ckpt", config, model.state_dict())
     assert run(["convert", "tessera-to-hf", "--input", str(tmp_path / "ckpt"), "--output", str(tmp_path / "out")]) == 0
     exported, info = transformers.AutoModelForCausalLM.from_pretrained(

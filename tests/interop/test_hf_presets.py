@@ -66,23 +66,25 @@ def _by_model() -> dict[str, ModelConfig]:
 EXPORTED = _by_model()
 
 
-def _model(config: ModelConfig) -> GPTModel:
+def wide_model(config: ModelConfig) -> GPTModel:
+    """A tessera model (eval mode) drawn so that mix-ups show: norms away from 1, biases (the
+    routers' expert bias too) away from 0, and decisive routers."""
     model = GPTModel(config).eval()
     initialize_parameters(model, seed=3)
     generator = torch.Generator().manual_seed(4)
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "router" in name:
-                param.normal_(0.0, 0.5, generator=generator)
-            elif "norm" in name or name.endswith("bias"):
-                param.normal_(1.0 if "norm" in name else 0.0, 0.1, generator=generator)
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith("router.weight"):
+                tensor.normal_(0.0, 0.5, generator=generator)
+            elif "norm" in name or name.endswith(("bias", "expert_bias")):
+                tensor.normal_(1.0 if "norm" in name else 0.0, 0.1, generator=generator)
     return model
 
 
 @pytest.mark.parametrize("presets", EXPORTED)
 def test_presets_export_to_what_transformers_computes(presets, tmp_path):
     config = EXPORTED[presets]
-    model = _model(config)
+    model = wide_model(config)
     save_model_checkpoint(tmp_path / "ckpt", config, model.state_dict())
     assert run(["convert", "tessera-to-hf", "--input", str(tmp_path / "ckpt"), "--output", str(tmp_path / "hf")]) == 0
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", experts_implementation="eager")
@@ -95,7 +97,7 @@ def test_presets_export_to_what_transformers_computes(presets, tmp_path):
 @pytest.mark.parametrize("preset", REFUSED)
 def test_presets_no_family_computes_are_refused_in_one_line(preset, tmp_path, capsys):
     config = tiny(preset)
-    save_model_checkpoint(tmp_path / "ckpt", config, _model(config).state_dict())
+    save_model_checkpoint(tmp_path / "ckpt", config, wide_model(config).state_dict())
     with pytest.raises(SystemExit) as exit_code:
         run(["convert", "tessera-to-hf", "--input", str(tmp_path / "ckpt"), "--output", str(tmp_path / "hf")])
     err = capsys.readouterr().err
