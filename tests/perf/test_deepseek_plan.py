@@ -91,6 +91,7 @@ def test_an_uneven_layer_count_gets_the_split_nearest_even():
     assert uneven_split(61, 16) == (3, 2)   # 3 + 14 x 4 + 2
     assert uneven_split(27, 4) == (7, 6)    # 7 + 2 x 7 + 6
     assert uneven_split(32, 4) == (None, None)
+    assert uneven_split(61, 32) is None     # 29 stages of 2 and 3 of 1: more than first and last can take
 
 
 def _plan(capsys, *argv) -> list[dict]:

@@ -132,3 +132,43 @@ def test_bf16_moments_shrink_the_optimizer_state_and_step(capsys):
     assert bf16["time_s"]["optimizer"] < fp32["time_s"]["optimizer"]
     assert bf16["layout"]["exp_avg_dtype"] == bf16["layout"]["exp_avg_sq_dtype"] == "bf16"
     assert "--exp-avg-sq-dtype" in bf16["layout"]["flags"] and "--exp-avg-dtype" not in fp32["layout"]["flags"]
+
+
+DEEPSEEK = ["--model", "deepseek-v3", "--gpus", "1024", "--gpu", "h100", "--global-batch-size", "8192"]
+
+
+def test_deepseek_v3_gets_a_pipeline_at_least_as_fast_as_megatrons_production_layout(capsys):
+    """61 layers (a prime): the search must reach pipelines through uneven first/last stages, and
+    its pick must predict at least Megatron's production layout (TP2 PP16 EP64, expert-TP 1, its
+    parallelism guide) completed by the same planner."""
+    best = run_json(capsys, *DEEPSEEK, "--top", "1")[0]
+    production = run_json(capsys, *DEEPSEEK, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
+                          "16", "--expert-model-parallel-size", "64", "--expert-tensor-parallel-size", "1",
+                          "--top", "1")[0]
+    assert production["fits"] and (production["layout"]["tp"], production["layout"]["pp"]) == (2, 16)
+    assert best["fits"] and best["tokens_per_sec"] >= production["tokens_per_sec"]
+    # The flags it prints reproduce the split: tessera train accepts them and splits the layers alike.
+    layout = best["layout"]
+    assert layout["pp"] > 1 and {"--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"} & set(
+        layout["flags"])
+    config, _ = parse_run_config(["--model", "deepseek-v3", "--mock-data", "--lr", "1e-4", "--train-iters", "1",
+                                  "--global-batch-size", "8192", *layout["flags"]], "test", world_size=1024)
+    parallel = config.parallel
+    split = stage_layer_ranges(61, parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_size(61),
+                               first_stage_layers=parallel.decoder_first_pipeline_num_layers,
+                               last_stage_layers=parallel.decoder_last_pipeline_num_layers)
+    planned = Layout(**{k: v for k, v in layout.items() if k not in ("flags", "describe")})
+    assert [len(stage) for stage in split] == planned.stage_layers(61)
+    assert (parallel.tp_comm_overlap, parallel.sequence_parallel) == (layout["tp_comm_overlap"], True)
+
+
+def test_without_a_batch_the_search_says_which_default_it_took(capsys):
+    for gpus, seq, batch in [("16", "8192", 128), ("1024", "8192", 512)]:   # 2^20 tokens; 4,096 a GPU
+        assert plan.main(["--model", "llama3-8b", "--gpus", gpus, "--seq-length", seq, "--top", "1"]) == 0
+        out = capsys.readouterr().out
+        assert f"global batch {batch} sequences of {seq}: a default" in out and "--global-batch-size" in out
+        assert f"--global-batch-size {batch}" in out.split("train with:")[1]
+    result = run_json(capsys, "--model", "llama3-8b", "--gpus", "16", "--top", "1")[0]
+    assert result["tokens_per_sec"] * result["step_time_s"] == pytest.approx(128 * 8192)
+    assert plan.main(["--model", "llama3-8b", "--gpus", "16", "--global-batch-size", "64", "--top", "1"]) == 0
+    assert "a default" not in capsys.readouterr().out

@@ -105,6 +105,16 @@ def test_exposed_data_parallel_communication_by_hand():
     assert overlapped.breakdown["dp_comm"] < expected
 
 
+def test_an_overlapped_reduction_never_costs_more_than_an_exposed_one():
+    # A model smaller than one gradient bucket (40M parameters): the overlap has nothing to hide
+    # behind the backward, the whole reduction is the last bucket.
+    small = ModelConfig(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=S, vocab_size=V,
+                        hidden_dropout=0.0, attention_dropout=0.0)
+    exposed, overlapped = (predict(small, Layout(dp=16, overlap_grad_reduce=overlap), CLUSTERS["dgx-h100"],
+                                   PROVISIONAL, 16, S).breakdown["dp_comm"] for overlap in (False, True))
+    assert overlapped == pytest.approx(exposed)
+
+
 def test_tensor_parallel_costs_communication_and_sequence_parallel_saves_memory():
     dgx = CLUSTERS["dgx-h100"]
     # Wide enough that each GEMM outlasts the collective beside it.
