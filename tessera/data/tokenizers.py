@@ -7,7 +7,7 @@ tokenizer of the same name produces from the same files, so datasets are interch
 
 A file that is missing, unreadable or not of its format is a ConfigError naming the flag and
 the file. `tokenizer_files` lists the files a tokenizer reads, so that a checkpoint can carry
-copies of them (tessera.training.checkpoint).
+copies of them (tessera.training.checkpoint_files).
 """
 
 from __future__ import annotations
@@ -319,12 +319,13 @@ def tokenizer_files(data: DataConfig) -> dict[str, list[Path]]:
         if path is None or not os.path.exists(path):
             raise ConfigError(f"--{field.replace('_', '-')} {path}: no such file or directory")
         path = Path(path)
+        config = path.parent / "tokenizer_config.json"   # where a tokenizer.json's end-of-document token is read
         if kind != "HuggingFaceTokenizer":
             files[field] = [path]
         elif path.is_dir():
             files[field] = hf_tokenizer_files(path)
         else:
-            files[field] = [path, *(p for p in [path.parent / "tokenizer_config.json"] if p.is_file())]
+            files[field] = [path, config] if config.is_file() else [path]
     return files
 
 
@@ -333,18 +334,14 @@ def hf_tokenizer_files(directory: str | os.PathLike) -> list[Path]:
     return [Path(directory) / name for name in HF_TOKENIZER_FILES if (Path(directory) / name).is_file()]
 
 
-def copy_tokenizer_files(files: Iterable[Path], destination: str | os.PathLike) -> list[str]:
+def copy_tokenizer_files(files: Iterable[Path], destination: str | os.PathLike) -> None:
     """Copy `files` into `destination` under their names, each written under a temporary name and
     then renamed (a reader never sees half a file); a file whose identical copy is there already is
-    left alone. The names copied."""
+    left alone."""
     destination = Path(destination)
     destination.mkdir(parents=True, exist_ok=True)
-    copied = []
     for source in files:
         target = destination / source.name
-        if target.is_file() and filecmp.cmp(source, target, shallow=False):
-            continue
-        with open(source, "rb") as reader:
-            atomic_write(target, lambda writer: shutil.copyfileobj(reader, writer))
-        copied.append(source.name)
-    return copied
+        if not (target.is_file() and filecmp.cmp(source, target, shallow=False)):
+            with open(source, "rb") as reader:
+                atomic_write(target, lambda writer: shutil.copyfileobj(reader, writer))

@@ -64,18 +64,18 @@ def write_hf_tokenizer(checkpoint_dir: Path, run_config: dict, hf_dir: Path) -> 
     if generation.is_file():   # the imported model's
         ids = {name: value for name, value in json.loads(generation.read_text()).items() if name in _IDS}
     else:
-        ids = special_token_ids(hf_dir)
+        ids = _special_token_ids(hf_dir)
         if ids:
             _write_json(generation, ids)
     return written, ids
 
 
-def special_token_ids(hf_dir: Path) -> dict[str, int]:
+def _special_token_ids(hf_dir: Path) -> dict[str, int]:
     """bos/eos/pad_token_id of the tokenizer in `hf_dir` (PAD: EOS where it has none, as generate() pads)."""
     if not (hf_dir / "tokenizer.json").is_file():
         return {}
-    backend = read_tokenizer_json(hf_dir / "tokenizer.json", "--input")
-    config = read_tokenizer_config(hf_dir, "--input")
+    backend = read_tokenizer_json(hf_dir / "tokenizer.json", "--output")
+    config = read_tokenizer_config(hf_dir, "--output")
     ids = {}
     for name in _IDS:
         token = special_token(config, name.removesuffix("_id"))
@@ -90,6 +90,7 @@ def special_token_ids(hf_dir: Path) -> dict[str, int]:
 def _copy_hf_tokenizer(data: DataConfig, hf_dir: Path) -> None:
     """A Hugging Face tokenizer's files; its tokenizer.json under that name; a tokenizer_config.json
     naming the end-of-document token as EOS where there is none."""
+    tokenizer = HuggingFaceTokenizer(data.tokenizer_model)   # a bad file is named here, as training named it
     [files] = tokenizer_files(data).values()
     tokenizer_json = Path(data.tokenizer_model)
     if tokenizer_json.is_file():   # a tokenizer.json by another name (and the tokenizer_config.json beside it)
@@ -98,7 +99,6 @@ def _copy_hf_tokenizer(data: DataConfig, hf_dir: Path) -> None:
     else:
         copy_tokenizer_files(files, hf_dir)
     if not (hf_dir / "tokenizer_config.json").is_file():
-        tokenizer = HuggingFaceTokenizer(data.tokenizer_model)
         eos = tokenizer.backend.id_to_token(tokenizer.eod)
         _write_json(hf_dir / "tokenizer_config.json", _tokenizer_config({"eos_token": eos}))
 

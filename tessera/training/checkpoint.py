@@ -42,7 +42,7 @@ from tessera.config import ConfigError, ModelConfig, RunConfig, flag
 from tessera.data.tokenizers import tokenizer_files
 from tessera.training.checkpoint_files import (
     complete_checkpoints, copy_tokenizer, global_rank, iteration_dir, log_info, log_warning,
-    saved_run_config, single_process_ok, size_on_disk, write_checkpoint,
+    saved_run_config, single_process_ok, write_checkpoint,
 )
 from tessera.training.checkpoint_state import (
     Chunked, LoadPlanner, fp8_scaling_state, fp8_scaling_targets, master_state, master_weights, model_state,
@@ -172,8 +172,8 @@ class Checkpointer:
         self.last_saved = trainer.iteration
         args = dict(config=self._run_config(), keep_last=self.options.keep_last)
         if not self.options.async_save:
-            write_checkpoint(directory, state, group=None, **args)
-            self._report(trainer.iteration, directory, time.perf_counter() - start)
+            size = write_checkpoint(directory, state, group=None, **args)
+            self._report(trainer.iteration, directory, size, time.perf_counter() - start)
             return
         self.wait()   # the previous write is done with the staging buffers
         staged = self._stage(state)
@@ -193,14 +193,13 @@ class Checkpointer:
             self._saved_config = config
         return self._saved_config
 
-    def _report(self, iteration: int, directory: Path, seconds: float, written: float | None = None) -> None:
-        """Megatron's line after a save, with its size; for an async save `seconds` is the time training
-        was blocked and `written` the time to disk."""
-        if global_rank() != 0:
-            return
+    @staticmethod
+    def _report(iteration: int, directory: Path, size: int, seconds: float, written: float | None = None) -> None:
+        """Megatron's line after a save, with its size on disk (GB; MB below 0.1 GB); for an async save
+        `seconds` is the time training was blocked and `written` the time to disk."""
         how = "" if written is None else f" (async save: the time training was blocked; written in {written:.2f} s)"
-        log_info(f"saved checkpoint at iteration {iteration} to {directory} in {seconds:.2f} s{how} "
-                 f"({size_on_disk(directory)})")
+        size_text = f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.2f} MB"
+        log_info(f"saved checkpoint at iteration {iteration} to {directory} in {seconds:.2f} s{how} ({size_text})")
 
     def _stage(self, state: dict[str, Any]) -> dict[str, Any]:
         """The state with every tensor copied to CPU memory: what the background writer reads
@@ -228,8 +227,8 @@ class Checkpointer:
     def _write_in_background(self, directory: Path, state: dict, args: dict, iteration: int, start: float,
                              blocked: float) -> None:
         try:
-            write_checkpoint(directory, state, group=self._group, **args)
-            self._report(iteration, directory, blocked, written=time.perf_counter() - start)
+            size = write_checkpoint(directory, state, group=self._group, **args)
+            self._report(iteration, directory, size, blocked, written=time.perf_counter() - start)
         except BaseException as exc:  # noqa: BLE001 -- re-raised in the training thread by wait()
             self._writer_error = exc
 

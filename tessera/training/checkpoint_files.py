@@ -104,8 +104,9 @@ def complete_checkpoints(root: str | os.PathLike, warn: Callable[[str], None] = 
 
 
 def write_checkpoint(directory: Path, state: dict[str, Any], config: dict, *, group=None,
-                     keep_last: int | None = None, extra_files: dict[str, str] | None = None) -> None:
-    """Write one checkpoint (collective over `group`), then point the tracker at it."""
+                     keep_last: int | None = None, extra_files: dict[str, str] | None = None) -> int:
+    """Write one checkpoint (collective over `group`), then point the tracker at it; the bytes of
+    its data files (every rank's, as DCP's metadata records them)."""
     rank0 = not dist.is_initialized() or dist.get_rank(group) == 0
     directory.mkdir(parents=True, exist_ok=True)
     if rank0:
@@ -114,7 +115,7 @@ def write_checkpoint(directory: Path, state: dict[str, Any], config: dict, *, gr
             _atomic_write(directory / name, text)
     with single_process_ok():
         writer = dcp.FileSystemWriter(directory, thread_count=WRITE_THREADS)
-        dcp.save(state, storage_writer=writer, planner=SavePlanner(), process_group=group)
+        metadata = dcp.save(state, storage_writer=writer, planner=SavePlanner(), process_group=group)
     if dist.is_initialized():
         dist.barrier(group=group)  # every rank's files are complete
     if rank0:
@@ -123,6 +124,7 @@ def write_checkpoint(directory: Path, state: dict[str, Any], config: dict, *, gr
         if keep_last:
             for old in complete_checkpoints(root, warn=lambda _: None)[keep_last:]:
                 shutil.rmtree(old, ignore_errors=True)
+    return sum(stored.length for stored in metadata.storage_data.values())
 
 
 def copy_tokenizer(data: DataConfig, root: Path) -> dict[str, str]:
@@ -146,12 +148,6 @@ def saved_run_config(directory: Path) -> dict[str, Any]:
         if path and not os.path.isabs(path) and (directory.parent / path).exists():
             data[field] = str((directory.parent / path).resolve())
     return config
-
-
-def size_on_disk(directory: Path) -> str:
-    """The bytes of the files under `directory`, in GB (MB below 0.1 GB)."""
-    size = sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
-    return f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.2f} MB"
 
 
 # -- weights-only checkpoints (Hugging Face conversion, generation) ----------------------
