@@ -336,6 +336,9 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, tp_
     """
     if tp_group is None or dist.get_world_size(tp_group) == 1:
         # Unsplit: PyTorch's own loss, which torch.compile fuses with the fp32 upcast (the
-        # autograd function below would materialise several fp32 copies of the logits).
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
+        # autograd function below would materialise several fp32 copies of the logits). The
+        # losses own their storage (b x s floats): a model's output that is a view of another
+        # tensor is one FSDP2's pre-backward hook can be lost on, and FSDP2 warns of it.
+        losses = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
+        return losses.view_as(labels).clone()
     return _VocabParallelCrossEntropy.apply(logits, labels, tp_group)
