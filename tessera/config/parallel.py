@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from tessera.config.fields import flag, option, positive, require
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")   # Megatron's, least first
 
 
 @dataclass
@@ -30,10 +31,37 @@ class ParallelConfig:
     tp_comm_overlap: bool = option(
         False, "overlap the sequence-parallel all-gathers and reduce-scatters with the linear layers' GEMMs, "
         "in chunks passed round the TP ranks (needs --sequence-parallel)")
-    use_distributed_optimizer: bool = option(False, "shard fp32 master weights and Adam moments over data-parallel ranks (ZeRO-1)")
+    data_parallel_sharding_strategy: str | None = option(
+        None, "what each data-parallel rank keeps 1/DP of: no_shard (DDP), optim (fp32 masters and Adam "
+        "moments: the distributed optimizer, ZeRO-1), optim_grads (also the gradients: FSDP2 keeping each "
+        "block's gathered weights from its forward to its backward, ZeRO-2's peak memory and one all-gather "
+        "per micro-batch; the weights sharded between steps), optim_grads_params (also the weights: FSDP2, "
+        "ZeRO-3). Default: what --use-distributed-optimizer, --use-torch-fsdp2 or --use-megatron-fsdp ask "
+        "for, else no_shard", SHARDING_STRATEGIES)
+    use_distributed_optimizer: bool = option(
+        False, "shard fp32 master weights and Adam moments over data-parallel ranks (ZeRO-1: "
+        "--data-parallel-sharding-strategy optim)")
     overlap_grad_reduce: bool = option(False, "reduce each gradient bucket during backward, as soon as it is ready")
-    overlap_param_gather: bool = option(False, "all-gather updated parameters during the next forward (distributed optimizer)")
-    use_torch_fsdp2: bool = option(False, "shard parameters, gradients and optimizer state with PyTorch FSDP2 (ZeRO-3)")
+    overlap_param_gather: bool = option(
+        False, "all-gather updated parameters during the next forward (distributed optimizer; FSDP2 prefetches "
+        "the next block's gather on its own)")
+    use_torch_fsdp2: bool = option(
+        False, "shard parameters, gradients and optimizer state with PyTorch FSDP2 (ZeRO-3: "
+        "--data-parallel-sharding-strategy optim_grads_params)")
+    torch_fsdp2_no_reshard_after_forward: bool = option(
+        False, "FSDP2 keeps each block's gathered weights from its forward to its backward instead of gathering "
+        "them again (--data-parallel-sharding-strategy optim_grads)")
+    use_megatron_fsdp: bool = option(
+        False, "Megatron-FSDP's switch (also --use-custom-fsdp): tessera runs PyTorch FSDP2 with "
+        "--data-parallel-sharding-strategy (default optim_grads_params, as Megatron's); no_shard and optim run "
+        "DDP and the distributed optimizer. --use-distributed-optimizer, which Megatron-FSDP implies, is accepted")
+    num_distributed_optimizer_instances: int = option(
+        1, "copies of the sharded state (HSDP): each of --data-parallel-sharding-strategy's shards is spread "
+        "over DP / N consecutive data-parallel ranks (x CP) and replicated over the N groups; gradients are "
+        "summed over all. With optim: Megatron's partial distributed optimizer")
+    outer_dp_sharding_strategy: str = option(
+        "no_shard", "what the N copies of --num-distributed-optimizer-instances share: no_shard (HSDP) only; "
+        "optim (Megatron-FSDP's hybrid FSDP) is not supported", ("no_shard", "optim"))
     ddp_bucket_size: int | None = option(None, "elements per gradient bucket (default max(40M, 1M x DP))")
     accumulate_allreduce_grads_in_fp32: bool = option(False, "with --bf16, reduce gradients in fp32 (default: bf16 on the wire)")
     virtual_pipeline_model_parallel_size: int | None = option(None, "model chunks per pipeline rank (interleaved 1F1B)")
@@ -51,10 +79,9 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         positive(self, "tensor_model_parallel_size", "pipeline_model_parallel_size",
                   "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
-                  "ddp_bucket_size", "distributed_timeout_minutes")
-        require(not (self.use_distributed_optimizer and self.use_torch_fsdp2),
-                 "--use-distributed-optimizer and --use-torch-fsdp2 are exclusive (FSDP2 already shards the optimizer)")
-        require(not self.overlap_param_gather or self.use_distributed_optimizer,
+                  "ddp_bucket_size", "distributed_timeout_minutes", "num_distributed_optimizer_instances")
+        fsdp2 = self._resolve_sharding_strategy()
+        require(not self.overlap_param_gather or self.use_distributed_optimizer or self.use_megatron_fsdp,
                  "--overlap-param-gather needs --use-distributed-optimizer")
         require(not self.tp_comm_overlap or self.sequence_parallel, "--tp-comm-overlap needs --sequence-parallel")
         require(not self.tp_comm_overlap or self.tensor_model_parallel_size > 1,
@@ -71,8 +98,65 @@ class ParallelConfig:
         require(not self.overlap_p2p_communication or self.pipeline_model_parallel_size > 1,
                 "--overlap-p2p-communication needs --pipeline-model-parallel-size > 1")
         require(not (self.use_torch_fsdp2 and self.pipeline_model_parallel_size > 1),
-                 "--use-torch-fsdp2 with --pipeline-model-parallel-size > 1 is not supported")
+                 f"{fsdp2} with --pipeline-model-parallel-size > 1 is not supported")
+        self._check_hsdp()
         self._check_context_parallel()
+
+    def _resolve_sharding_strategy(self) -> str:
+        """Set --data-parallel-sharding-strategy and the switches it stands for (use_distributed_optimizer,
+        use_torch_fsdp2, torch_fsdp2_no_reshard_after_forward) from whichever were given; refuse
+        contradictions. Returns the flag that asked for FSDP2, for messages."""
+        strategy, no_reshard = self.data_parallel_sharding_strategy, self.torch_fsdp2_no_reshard_after_forward
+        require(not (self.use_distributed_optimizer and self.use_torch_fsdp2),
+                 "--use-distributed-optimizer and --use-torch-fsdp2 are exclusive (FSDP2 already shards the optimizer)")
+        require(not (self.use_megatron_fsdp and self.use_torch_fsdp2),
+                "--use-megatron-fsdp and --use-torch-fsdp2 are exclusive (tessera runs FSDP2 for both)")
+        fsdp = "--use-torch-fsdp2" if self.use_torch_fsdp2 else "--use-megatron-fsdp"
+        if strategy is None:
+            require(not no_reshard or self.use_torch_fsdp2 or self.use_megatron_fsdp,
+                    "--torch-fsdp2-no-reshard-after-forward needs --use-torch-fsdp2")
+            if self.use_torch_fsdp2 or self.use_megatron_fsdp:
+                strategy = "optim_grads" if no_reshard else "optim_grads_params"
+            else:
+                strategy = "optim" if self.use_distributed_optimizer else "no_shard"
+        else:
+            given = f"--data-parallel-sharding-strategy {strategy}"
+            # --use-distributed-optimizer asks for sharded optimizer state, which every strategy but
+            # no_shard has; outside Megatron-FSDP (which implies it) it means the distributed optimizer.
+            require(not (self.use_distributed_optimizer and strategy == "no_shard"),
+                    f"{given} contradicts --use-distributed-optimizer (which shards the optimizer state)")
+            require(not (self.use_distributed_optimizer and strategy != "optim" and not self.use_megatron_fsdp),
+                    f"{given} runs FSDP2, which shards the optimizer itself: it contradicts "
+                    "--use-distributed-optimizer (Megatron's distributed optimizer is strategy optim)")
+            require(not (self.use_torch_fsdp2 and strategy in ("no_shard", "optim")),
+                    f"{given} contradicts --use-torch-fsdp2 (which shards the weights and gradients too)")
+            require(not (no_reshard and strategy != "optim_grads"),
+                    f"{given} contradicts --torch-fsdp2-no-reshard-after-forward (which is strategy optim_grads)")
+            fsdp = given
+        self.data_parallel_sharding_strategy = strategy
+        self.use_distributed_optimizer = strategy == "optim"
+        self.use_torch_fsdp2 = strategy in ("optim_grads", "optim_grads_params")
+        self.torch_fsdp2_no_reshard_after_forward = strategy == "optim_grads"
+        return fsdp
+
+    def _check_hsdp(self) -> None:
+        """--num-distributed-optimizer-instances: what replicating the sharded state combines with."""
+        flag_name = f"--num-distributed-optimizer-instances {self.num_distributed_optimizer_instances}"
+        require(self.outer_dp_sharding_strategy == "no_shard",
+                "--outer-dp-sharding-strategy optim (Megatron-FSDP's hybrid FSDP: optimizer state sharded over "
+                "all data-parallel ranks) is not supported; use no_shard")
+        if self.num_distributed_optimizer_instances == 1:
+            return
+        require(self.data_parallel_sharding_strategy != "no_shard",
+                f"{flag_name} replicates sharded state: it needs --data-parallel-sharding-strategy optim, "
+                "optim_grads or optim_grads_params (or --use-distributed-optimizer / --use-torch-fsdp2)")
+        # PP: the tied embedding's gradient is summed over the stages' owners of each slice, one per
+        # data-parallel rank, which replicas would count N times.
+        require(self.pipeline_model_parallel_size == 1,
+                f"{flag_name} with --pipeline-model-parallel-size > 1 is not supported")
+        require(self.expert_model_parallel_size == 1 and self.expert_tensor_size == self.tensor_model_parallel_size,
+                f"{flag_name} with --expert-model-parallel-size > 1 or --expert-tensor-parallel-size != "
+                "--tensor-model-parallel-size is not supported (expert weights would need replicas of their own)")
 
     def _check_context_parallel(self) -> None:
         # Megatron's help text spells it allgather, Transformer Engine all_gather: both mean one thing.
@@ -142,4 +226,11 @@ class ParallelConfig:
             f"({self.tensor_model_parallel_size}) x --pipeline-model-parallel-size "
             f"({self.pipeline_model_parallel_size}) x --context-parallel-size ({self.context_parallel_size})",
         )
-        return world_size // self.model_parallel_size
+        dp, replicas = world_size // self.model_parallel_size, self.num_distributed_optimizer_instances
+        require(dp % replicas == 0, f"data-parallel size ({dp}) must be divisible by "
+                f"--num-distributed-optimizer-instances ({replicas})")
+        require(replicas == 1 or dp * self.context_parallel_size > replicas,
+                f"--num-distributed-optimizer-instances ({replicas}) = data-parallel size ({dp}) x "
+                f"--context-parallel-size ({self.context_parallel_size}): each copy of the state would sit unsharded "
+                "on one rank (use --data-parallel-sharding-strategy no_shard)")
+        return dp

@@ -11,6 +11,10 @@ The collective is a sum: the trainer divides each rank's loss by the number of t
 in the *global* batch, so summing over data-parallel ranks gives the mean gradient
 exactly once. With the distributed optimizer the sum is a reduce-scatter: each rank
 receives the sum of its own 1/DP of every bucket (buckets are padded to split evenly).
+Megatron's partial distributed optimizer (--num-distributed-optimizer-instances N) reduce-
+scatters over one replica's ranks and then all-reduces each rank's slice over the N
+replicas (megatron/core/distributed/param_and_grad_buffer.py, start_grad_sync); that
+all-reduce runs when the step's reduction finishes, not during backward.
 
 Written here rather than using torch DDP because the distributed optimizer needs to own
 the buffer layout (its shards are slices of these buckets), and because Megatron's
@@ -49,10 +53,16 @@ class GradBuffer:
     """
 
     def __init__(self, params: list[nn.Parameter], group, *, bucket_size: int, overlap: bool,
-                 reduce_scatter: bool, reduce_dtype: torch.dtype = torch.float32, stored: bool = True):
+                 reduce_scatter: bool, reduce_dtype: torch.dtype = torch.float32, stored: bool = True,
+                 replica_group=None):
+        """`replica_group` (with `reduce_scatter`, HSDP): the copies of this rank's slices, which
+        are summed over it after the reduce-scatter over `group`."""
         if not stored and group is not None:
             raise ValueError("gradients reduced over a group need a stored buffer")
+        if replica_group is not None and not (reduce_scatter and group is not None):
+            raise ValueError("a replica group sums reduce-scattered slices: it needs reduce_scatter and a group")
         self.group, self.overlap, self.reduce_scatter, self.reduce_dtype = group, overlap, reduce_scatter, reduce_dtype
+        self.replica_group = replica_group
         self.stored = stored
         self.dp_size = dist.get_world_size(group) if group is not None else 1
         self.dp_rank = dist.get_rank(group) if group is not None else 0
@@ -162,6 +172,8 @@ class GradBuffer:
             work, output = bucket.work
             work.wait()
             if output is not None:
+                if self.replica_group is not None:
+                    dist.all_reduce(output, group=self.replica_group)
                 start, end = self.shard_range(bucket)
                 self.data[start:end].copy_(output)
             elif bucket.staging is not None:

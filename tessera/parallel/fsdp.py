@@ -1,10 +1,27 @@
-"""ZeRO-3 through PyTorch FSDP2 (--use-torch-fsdp2): parameters, gradients and optimizer
-state sharded over the data-parallel ranks.
+"""PyTorch FSDP2 for --data-parallel-sharding-strategy optim_grads_params (ZeRO-3,
+--use-torch-fsdp2) and optim_grads (--torch-fsdp2-no-reshard-after-forward).
 
-`fully_shard` wraps each transformer block (one all-gather per block in forward and
-backward, freed after use) and then the root (embeddings, final norm, output layer).
-It shards the tensor-parallel shards it is given, so TP x FSDP composes: the TP layers
+`fully_shard` wraps each transformer block and then the root (embeddings, final norm, output
+layer). It shards the tensor-parallel shards it is given, so TP x FSDP composes: the TP layers
 split the maths, FSDP2 splits the storage along the data-parallel dimension only.
+
+What the two strategies hold on each rank (FSDP2's `reshard_after_forward`):
+
+- optim_grads_params: a block's weights are gathered for its forward, freed, and gathered
+  again for its backward: about one block's full weights at a time, two all-gathers per
+  micro-batch.
+- optim_grads: a block's gathered weights stay from its forward to its backward, so at the
+  peak (the end of the forward) every block's full weights are held, in the compute dtype, as
+  ZeRO-2 holds them; one all-gather per micro-batch. Gradients are still reduce-scattered
+  block by block into 1/DP shards and the optimizer state is 1/DP, and between steps the
+  weights are back to their 1/DP shards: ZeRO-2's peak memory and traffic, ZeRO-3's memory
+  at rest. A ZeRO-2 built into the distributed optimizer instead would need its flat gradient
+  buffer (tessera.parallel.ddp) cut per bucket and freed after each reduce-scatter, and a
+  reduce-scatter in every micro-batch, which is what FSDP2 already does.
+
+HSDP (--num-distributed-optimizer-instances N): each block is sharded over a replica's
+DP / N ranks and replicated over the N replicas (FSDP2's 2-D mesh, Mesh.fsdp_mesh):
+gradients are reduce-scattered within a replica, then all-reduced across replicas.
 
 With expert parallelism a MoE layer's experts are wrapped first, on their own: they are
 sharded and reduced over expert data parallelism (the ranks holding the same experts),
@@ -27,18 +44,17 @@ from tessera.parallel.fsdp_fp8 import wrap_fp8_weights
 from tessera.parallel.mesh import Mesh
 
 
-def apply_fsdp2(model: nn.Module, mesh: Mesh, *, reshard_after_forward: bool = True,
-                param_dtype: torch.dtype | None = None, fp8_weights: Collection[nn.Parameter] = ()) -> nn.Module:
-    """`param_dtype`: the dtype the weights are gathered in (None: theirs); `fp8_weights`
-    (--fp8-param-gather): the FP8 linears' weights, gathered in E4M3 (tessera.parallel.fsdp_fp8)."""
+def apply_fsdp2(model: nn.Module, mesh: Mesh, *, param_dtype: torch.dtype | None = None,
+                fp8_weights: Collection[nn.Parameter] = ()) -> nn.Module:
+    """Shard `model` as mesh.sharding_strategy says. `param_dtype`: the dtype the weights are
+    gathered in (None: theirs); `fp8_weights` (--fp8-param-gather): the FP8 linears' weights,
+    gathered in E4M3 (tessera.parallel.fsdp_fp8)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    options = dict(reshard_after_forward=reshard_after_forward,
+    options = dict(reshard_after_forward=mesh.sharding_strategy != "optim_grads",
                    mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32))
 
-    # Context-parallel ranks hold other tokens of the same samples: their gradients are summed
-    # and their shards split over data x context parallelism, as the DDP buffers are.
-    dp_mesh = mesh.submesh("dp_cp" if mesh.cp_size > 1 else "dp")
+    dp_mesh = mesh.fsdp_mesh
     # fully_shard replaces every parameter by a new DTensor parameter: carry over what the
     # rest of tessera attached to the old ones (ShardSpec, sequence-parallel marks, ...).
     attributes = {name: dict(param.__dict__) for name, param in model.named_parameters()}

@@ -141,7 +141,8 @@ class Fp8Shards:
         self.gather_dtype = gather_dtype
         self.params = list(weights)
         self.layers = [weights[param] for param in self.params]
-        self.group = self.params[0].device_mesh.get_group()
+        mesh = self.params[0].device_mesh
+        self.group = mesh.get_group(mesh.ndim - 1)   # the shard dimension (HSDP's second)
         self.block = self.layers[0].weight_block
         ranks = self.group.size()
         grids = [grid(param.shape, self.block) for param in self.params]

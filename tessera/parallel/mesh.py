@@ -13,6 +13,15 @@ Expert parallelism re-slices each pipeline stage's dp x cp x tp ranks as
 
 so that, for example, TP=2 DP=4 with EP=4 and expert-TP 1 puts experts on ranks 0-3 and 4-7.
 
+With --num-distributed-optimizer-instances N (HSDP) the data-parallel ranks are cut into N
+replicas of DP / N consecutive ranks, as Megatron's partial distributed optimizer cuts them
+(megatron/core/parallel_state.py, the intra- and inter-partial data-parallel groups):
+
+    dp_rank = dp_shard_rank + (DP / N) * dp_replicate_rank
+
+The sharded state is spread over 'dp_cp_shard' (a replica's DP / N ranks x the CP ranks) and
+summed over 'dp_replicate' (the N ranks with one position in their replica).
+
 A Mesh holds torch DeviceMeshes and their groups and is passed to whatever needs them:
 nothing here is global, so tests can build several meshes in one process. With one
 process every size is 1 and every group is None, and the layers run unsplit.
@@ -43,6 +52,11 @@ class Mesh:
     device_mesh: DeviceMesh | None = None          # dims ("pp", "dp", "cp", "tp")
     expert_mesh: DeviceMesh | None = None          # dims ("pp", "edp", "ep", "etp")
     groups: dict = field(default_factory=dict)     # dim name -> group, for dims of size > 1
+    dp_replicas: int = 1                           # --num-distributed-optimizer-instances
+    # What FSDP2 shards dense weights over: the data (x context) parallel ranks, or under HSDP the
+    # 2-D (dp_replicate, dp_cp_shard) mesh of FSDP2's hybrid sharding.
+    fsdp_mesh: DeviceMesh | None = None
+    sharding_strategy: str = "no_shard"            # --data-parallel-sharding-strategy
 
     @property
     def world_size(self) -> int:
@@ -79,6 +93,22 @@ class Mesh:
         return self._stage_rank // (self.etp_size * self.ep_size)
 
     @property
+    def dp_replica_rank(self) -> int:
+        """Which copy of the sharded data-parallel state this rank holds (HSDP; else 0)."""
+        return self.dp_rank // (self.dp_size // self.dp_replicas)
+
+    @property
+    def dp_shard_size(self) -> int:
+        """Ranks one copy of the sharded data-parallel state is spread over: DP x CP / replicas."""
+        return self.dp_size * self.cp_size // self.dp_replicas
+
+    @property
+    def dp_shard_group(self):
+        """The group the data-parallel state is sharded (and gradients reduce-scattered) over: 'dp_cp',
+        or under HSDP one replica's 'dp_cp_shard'."""
+        return self.group("dp_cp_shard" if self.dp_replicas > 1 else "dp_cp")
+
+    @property
     def edp_size(self) -> int:
         return self.tp_size * self.cp_size * self.dp_size // (self.etp_size * self.ep_size)
 
@@ -96,8 +126,9 @@ class Mesh:
     def group(self, dim: str):
         """The process group of 'tp', 'cp', 'dp', 'pp', 'dp_cp' (gradient reduction), 'tp_cp' (the
         ranks sharing one micro-batch), 'tp_dp_cp' (a whole pipeline stage), 'cp_inner' and
-        'cp_outer' (--hierarchical-context-parallel-sizes), or of the experts: 'ep', 'etp', 'edp'
-        (expert gradient reduction), 'tp_ep' (etp x ep, the dispatch group)."""
+        'cp_outer' (--hierarchical-context-parallel-sizes), 'dp_cp_shard' and 'dp_replicate' (HSDP),
+        or of the experts: 'ep', 'etp', 'edp' (expert gradient reduction), 'tp_ep' (etp x ep, the
+        dispatch group)."""
         return self.groups.get(dim)
 
     @property
@@ -107,10 +138,6 @@ class Mesh:
     @property
     def dp_group(self):
         return self.group("dp")
-
-    def submesh(self, *dims: str) -> DeviceMesh | None:
-        """A DeviceMesh over some dimensions (FSDP2 shards over mesh.submesh('dp'))."""
-        return None if self.device_mesh is None else self.device_mesh[dims if len(dims) > 1 else dims[0]]
 
     @classmethod
     def build(cls, parallel: ParallelConfig, device_type: str) -> "Mesh":
@@ -125,7 +152,7 @@ class Mesh:
                               f"divide --tensor-model-parallel-size x --context-parallel-size x data-parallel size "
                               f"({tp * cp * dp})")
         if world == 1:
-            return cls()
+            return cls(sharding_strategy=parallel.data_parallel_sharding_strategy)
         edp = tp * cp * dp // (ep * etp)
         timeout = _GroupTimeout(device_type, timedelta(minutes=parallel.distributed_timeout_minutes))
         device_mesh = init_device_mesh(device_type, (pp, dp, cp, tp), mesh_dim_names=("pp", "dp", "cp", "tp"),
@@ -135,9 +162,10 @@ class Mesh:
         # Every rank creates every group, in the same order, now: creating a group is collective.
         groups = {dim: device_mesh.get_group(dim) for dim, size in
                   (("tp", tp), ("cp", cp), ("dp", dp), ("pp", pp)) if size > 1}
-        for name, dims in (("dp_cp", ("dp", "cp")), ("tp_cp", ("cp", "tp")), ("tp_dp_cp", ("dp", "cp", "tp"))):
-            if math.prod(device_mesh[dims].shape) > 1:
-                groups[name] = device_mesh[dims]._flatten(name, **timeout.flat()).get_group()
+        flat = {name: device_mesh[dims]._flatten(name, **timeout.flat()) for name, dims in
+                (("dp_cp", ("dp", "cp")), ("tp_cp", ("cp", "tp")), ("tp_dp_cp", ("dp", "cp", "tp")))
+                if math.prod(device_mesh[dims].shape) > 1}
+        groups.update({name: flat_mesh.get_group() for name, flat_mesh in flat.items()})
         groups.update({dim: expert_mesh.get_group(dim) for dim, size in
                        (("edp", edp), ("ep", ep), ("etp", etp)) if size > 1})
         if ep * etp > 1:
@@ -145,7 +173,20 @@ class Mesh:
         if parallel.hierarchical_context_parallel_sizes is not None:
             groups.update(_hierarchical_cp_groups(tp, cp, dp, pp, *parallel.hierarchical_context_parallel_sizes,
                                                   timeout.timeout))
-        return cls(tp, cp, dp, pp, ep, etp, dist.get_rank(), device_mesh, expert_mesh, groups)
+        # Context-parallel ranks hold other tokens of the same samples: FSDP2 shards over dp x cp,
+        # as the gradient buffers are reduced. (The flattened mesh itself: PyTorch is deprecating
+        # slicing a flattened dimension out of its root mesh.)
+        fsdp_mesh = flat["dp_cp"] if cp > 1 else device_mesh["dp"]
+        replicas = parallel.num_distributed_optimizer_instances
+        if replicas > 1:
+            # dp_rank = shard + (DP / N) x replica, and cp runs faster than dp: one replica's dp x cp
+            # ranks are one dimension of the mesh.
+            hsdp = init_device_mesh(device_type, (pp, replicas, dp // replicas * cp, tp),
+                                    mesh_dim_names=("pp", "dp_replicate", "dp_cp_shard", "tp"), **timeout.mesh(4))
+            groups.update({dim: hsdp.get_group(dim) for dim in ("dp_replicate", "dp_cp_shard")})
+            fsdp_mesh = hsdp["dp_replicate", "dp_cp_shard"]
+        return cls(tp, cp, dp, pp, ep, etp, dist.get_rank(), device_mesh, expert_mesh, groups, replicas, fsdp_mesh,
+                   parallel.data_parallel_sharding_strategy)
 
 
 def _hierarchical_cp_groups(tp: int, cp: int, dp: int, pp: int, inner: int, outer: int, timeout: timedelta

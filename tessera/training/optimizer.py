@@ -2,9 +2,16 @@
 
 `build_optimizer` picks how gradients are reduced and weights updated:
 
-    local       one process, or DDP: grads in a flat buffer, all-reduced (tessera.parallel.ddp)
-    distributed --use-distributed-optimizer: reduce-scatter, step own slices (tessera.parallel.zero)
-    fsdp2       --use-torch-fsdp2: FSDP2 reduce-scatters; every parameter is a DTensor shard
+    local       one process, or DDP (--data-parallel-sharding-strategy no_shard): grads in a
+                flat buffer, all-reduced (tessera.parallel.ddp)
+    distributed strategy optim (--use-distributed-optimizer): reduce-scatter, step own slices
+                (tessera.parallel.zero)
+    fsdp2       strategies optim_grads and optim_grads_params (--use-torch-fsdp2): FSDP2
+                reduce-scatters; every parameter is a DTensor shard (tessera.parallel.fsdp)
+
+With --num-distributed-optimizer-instances N the sharded state has N copies (HSDP): the
+distributed optimizer reduce-scatters over one replica's ranks and sums its slices over the
+replicas (Megatron's partial distributed optimizer); FSDP2 shards over a 2-D mesh.
 
 and returns a `TrainingOptimizer` the trainer drives the same way in all three. Norms and
 biases (every 1-D parameter) get no weight decay, as in Megatron-LM.
@@ -20,7 +27,7 @@ The gradient norm counts every element of the model exactly once, summed over al
 grads sharded over tensor-parallel ranks count their own elements; grads replicated over
 TP (norms, row-parallel biases) count on TP rank 0 only; grads replicated over data-
 parallel ranks count on the first replica, and those sharded over them (distributed
-optimizer, FSDP2) each their own slice; expert weights likewise over expert parallelism
+optimizer, FSDP2) each their own slice, on the first copy of the sharded state (HSDP); expert weights likewise over expert parallelism
 and expert data parallelism; the word embedding that the last pipeline stage also holds
 (tied, or MTP's input) counts on the first stage only (after its gradient has been summed
 over the first and last stage).
@@ -132,7 +139,7 @@ class TrainingOptimizer:
         for grad, param, offset in self._owned_grads():
             if param is self._norm_skips:   # the embedding's copy on the last stage: counted on the first
                 continue
-            if not (self.dp_sharded or self._first_replica(param)):
+            if not self._counted_here(param):
                 continue
             spec = getattr(param, "shard_spec", None)
             mask = spec.counted_mask() if spec is not None else None
@@ -152,10 +159,13 @@ class TrainingOptimizer:
             dist.all_reduce(squares)   # every element was counted on exactly one rank
         return squares.sqrt()
 
-    def _first_replica(self, param: nn.Parameter) -> bool:
-        """Whether this rank is the first of the data-parallel replicas holding `param` (for
-        expert weights: of the expert-data-parallel replicas)."""
+    def _counted_here(self, param: nn.Parameter) -> bool:
+        """Whether this rank counts its gradient of `param` in the norm: each slice of sharded state
+        on its first copy (HSDP), replicated gradients on the first of the data-parallel replicas
+        holding them (for expert weights: of the expert-data-parallel replicas)."""
         mesh = self.mesh
+        if self.dp_sharded:
+            return mesh.dp_replica_rank == 0
         if getattr(param, "is_expert", False):
             return mesh.edp_rank == 0
         return mesh.dp_rank == 0 and mesh.cp_rank == 0
@@ -219,7 +229,8 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, parallel: ParallelConf
     fp8_gathered = fp8_gathered or {}
     experts = [p for p in params if own_group and getattr(p, "is_expert", False)]
     dense = [p for p in params if not (own_group and getattr(p, "is_expert", False))]
-    dp_group, dp_size = mesh.group("dp_cp"), mesh.dp_size * mesh.cp_size
+    # Under HSDP (the distributed optimizer only: DDP has nothing to shard) one replica's ranks.
+    dp_group, dp_size = mesh.dp_shard_group, mesh.dp_shard_size
     groups = [([p for p in dense if p in fp8_gathered], dp_group, dp_size),
               ([p for p in dense if p not in fp8_gathered], dp_group, dp_size),
               (experts, mesh.group("edp"), mesh.edp_size)]
@@ -229,6 +240,7 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, parallel: ParallelConf
         reduce_dtype=torch.bfloat16 if bf16 and not parallel.accumulate_allreduce_grads_in_fp32 else torch.float32,
         # Nothing to reduce or accumulate: the distributed optimizer reads autograd's gradients.
         stored=not (parallel.use_distributed_optimizer and group is None and micro_batches == 1),
+        replica_group=mesh.group("dp_replicate") if group is dp_group else None,
     ) for members, group, size in groups if members]
     if parallel.use_distributed_optimizer:
         inner = DistributedOptimizer(model, buffers, optim, param_dtype=torch.bfloat16 if bf16 else torch.float32,

@@ -1,5 +1,6 @@
-"""Data, tensor and sequence parallelism, the distributed optimizer and FSDP2, alone and
-combined, against single-process training."""
+"""Data, tensor and sequence parallelism, the four --data-parallel-sharding-strategy values
+(DDP, the distributed optimizer, FSDP2 without and with resharding after forward), HSDP
+(--num-distributed-optimizer-instances), alone and combined, against single-process training."""
 
 import pytest
 import torch
@@ -12,13 +13,18 @@ from tests.dist import equivalence
 
 PARAM_GATHER = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
                 "--ddp-bucket-size", "20000"]
+STRATEGY = "--data-parallel-sharding-strategy"
+HSDP = ["--num-distributed-optimizer-instances", "2"]   # 2 replicas x DP / 2 shards
+# (--use-distributed-optimizer and --use-torch-fsdp2 set the same switches as optim and
+# optim_grads_params: tests/parallel/test_sharding_strategy_flags.py)
 LAYOUTS = {
     2: {
-        "DP=2": [],
+        "DP=2 no_shard": [STRATEGY, "no_shard"],
         "DP=2 overlap": ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"],
-        "DP=2 distributed optimizer": ["--use-distributed-optimizer"],
+        "DP=2 optim": [STRATEGY, "optim"],
         "DP=2 distributed optimizer, overlap, param gather": PARAM_GATHER,
-        "FSDP2 DP=2": ["--use-torch-fsdp2"],
+        "DP=2 optim_grads": [STRATEGY, "optim_grads"],
+        "DP=2 optim_grads_params": [STRATEGY, "optim_grads_params"],
         "TP=2": ["--tensor-model-parallel-size", "2"],
         "TP=2 + SP": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     },
@@ -31,6 +37,10 @@ LAYOUTS = {
         "TP=2 + SP x DP=2 distributed optimizer": ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                                    "--use-distributed-optimizer", "--overlap-grad-reduce"],
         "TP=2 x FSDP2 DP=2": ["--tensor-model-parallel-size", "2", "--use-torch-fsdp2"],
+        "HSDP 2x2 optim": HSDP + [STRATEGY, "optim", "--overlap-grad-reduce", "--ddp-bucket-size", "30000"],
+        "HSDP 2x2 optim_grads_params (Megatron-FSDP's default)": HSDP + ["--use-megatron-fsdp"],
+        "HSDP 2 replicas x CP=2 optim_grads": HSDP + ["--context-parallel-size", "2", STRATEGY, "optim_grads"],
+        "HSDP 2 replicas x CP=2 optim": HSDP + ["--context-parallel-size", "2", STRATEGY, "optim"],
     },
 }
 
