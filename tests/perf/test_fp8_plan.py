@@ -16,7 +16,7 @@ from tessera.perf.memory import GIB, layer_activation_bytes, stage_parameters
 from tessera.perf.simulator import StepModel, predict
 from tests.perf import saved_tensors
 
-# The measured 8192^3 GEMM rates behind the FP8 curves (shared/reference/cp-fp8.md D.3), TFLOP/s.
+# The measured 8192^3 GEMM rates behind the FP8 curves (one H200, torch 2.11), TFLOP/s.
 BF16_RATE, TENSORWISE_FAST, TENSORWISE, BLOCKWISE = 798, 1509, 1465, 1314
 
 PEAK, HBM = 1000e12, 1e12
@@ -166,9 +166,9 @@ def test_config_b_against_the_measured_fp8_runs():
     41.3 GiB; tensorwise 78,923-80,962, 34.2 GiB; delayed 76,514; blockwise 54,102. Predicted when written:
     bf16 65,965 (-2.3%), 45.3 GiB; tensorwise 82,967 (+2.5..+5.1%), 38.2 GiB; delayed as tensorwise (+8.4%);
     blockwise 72,061 (+33%: the measured run loses 95 ms to tensorwise where the GEMM rates and these
-    casts account for 30, docs/scaling.md). Since V stopped holding the QKV output alive (eleventh session):
+    casts account for 30, docs/scaling.md). Since V stopped holding the QKV output alive:
     bf16 39.4 GiB, tensorwise 32.3 GiB measured, 43.5 and 36.3 predicted; since bf16's SwiGLU is fused into
-    fc2 (fourteenth session) bf16 35.3 GiB. The orderings are asserted, and the memory saving, which is
+    fc2, bf16 35.3 GiB. The orderings are asserted, and the memory saving, which is
     hand-computable and matches the measured 3.0 GiB (7.1 GiB before bf16 stopped keeping fc2's input)."""
     model, bf16 = config_b(Layout())
     predictions = {recipe: config_b(fp8(recipe))[1] for recipe in ("tensorwise", "delayed", "blockwise")}

@@ -101,7 +101,7 @@ def test_tessera_distributed_optimizer_keeps_no_gradient_buffer_with_nothing_to_
 
 
 def test_megatron_core_on_one_h200_matches_the_measured_peak():
-    # shared/anchors: Megatron-Core 0.16 config A (GPT 1.3B, mbs 8, seq 2048, no dropout,
+    # Megatron-Core 0.16, measured: config A (GPT 1.3B, mbs 8, seq 2048, no dropout,
     # SDPA) peaked at 50.88 GiB on one GPU and 43.53 GiB per GPU with DP=2 and the
     # distributed optimizer.
     model = ModelConfig(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048,

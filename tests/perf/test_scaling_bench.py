@@ -1,4 +1,4 @@
-"""bench/scaling.py, the ladders of issue 17, on the CPU: each point's command is a run `tessera train`
+"""bench/scaling.py, the weak, strong and MoE ladders, on the CPU: each point's command is a run `tessera train`
 accepts with the planner's layout, and the figures draw from a ladder's JSON (measured or not).
 The runs themselves need an 8-GPU host."""
 
