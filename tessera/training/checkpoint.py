@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from tessera.config import ConfigError, ModelConfig, RunConfig, flag
 from tessera.data.tokenizers import tokenizer_files
 from tessera.training.checkpoint_files import (
-    complete_checkpoints, copy_tokenizer, global_rank, iteration_dir, log_info, log_warning,
+    WRITE_THREADS, complete_checkpoints, copy_tokenizer, global_rank, iteration_dir, log_info, log_warning,
     saved_run_config, single_process_ok, write_checkpoint,
 )
 from tessera.training.checkpoint_state import (
@@ -170,7 +170,8 @@ class Checkpointer:
         trainer.optimizer.wait_for_parameters()   # --overlap-param-gather: weights still arriving
         state = training_state(trainer)
         self.last_saved = trainer.iteration
-        args = dict(config=self._run_config(), keep_last=self.options.keep_last)
+        # WRITE_THREADS read here, at each save: bench/checkpoint.py sets this module's to compare counts
+        args = dict(config=self._run_config(), keep_last=self.options.keep_last, thread_count=WRITE_THREADS)
         if not self.options.async_save:
             size = write_checkpoint(directory, state, group=None, **args)
             self._report(trainer.iteration, directory, size, time.perf_counter() - start)

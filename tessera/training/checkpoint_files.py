@@ -104,9 +104,11 @@ def complete_checkpoints(root: str | os.PathLike, warn: Callable[[str], None] = 
 
 
 def write_checkpoint(directory: Path, state: dict[str, Any], config: dict, *, group=None,
-                     keep_last: int | None = None, extra_files: dict[str, str] | None = None) -> int:
-    """Write one checkpoint (collective over `group`), then point the tracker at it; the bytes of
-    its data files (every rank's, as DCP's metadata records them)."""
+                     keep_last: int | None = None, extra_files: dict[str, str] | None = None,
+                     thread_count: int = WRITE_THREADS) -> int:
+    """Write one checkpoint (collective over `group`; each rank's files by `thread_count` threads),
+    then point the tracker at it; the bytes of its data files (every rank's, as DCP's metadata
+    records them)."""
     rank0 = not dist.is_initialized() or dist.get_rank(group) == 0
     directory.mkdir(parents=True, exist_ok=True)
     if rank0:
@@ -114,7 +116,7 @@ def write_checkpoint(directory: Path, state: dict[str, Any], config: dict, *, gr
         for name, text in {CONFIG: yaml.safe_dump(config, sort_keys=False), **(extra_files or {})}.items():
             _atomic_write(directory / name, text)
     with single_process_ok():
-        writer = dcp.FileSystemWriter(directory, thread_count=WRITE_THREADS)
+        writer = dcp.FileSystemWriter(directory, thread_count=thread_count)
         metadata = dcp.save(state, storage_writer=writer, planner=SavePlanner(), process_group=group)
     if dist.is_initialized():
         dist.barrier(group=group)  # every rank's files are complete
