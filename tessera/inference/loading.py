@@ -10,6 +10,10 @@ to this rank's shard by its ShardSpec, as initialisation cuts them. The padded r
 vocabulary are fitted to this TP size (zero rows added, or padding rows dropped): a model
 trained at TP=4 loads at TP=1 and the other way round. Sequence parallelism is off: it
 buys nothing for generation. Pipeline and expert parallelism are not used here.
+
+A checkpoint carries its tokenizer (tessera.training.checkpoint_files): `LoadedInfo.checkpoint_config`
+is its config.yaml with the tokenizer paths pointing at those copies, absolute, so that the
+tokenizer is found from any working directory.
 """
 
 from __future__ import annotations
