@@ -9,9 +9,11 @@
     tessera plan --production                           # Megatron's production layouts beside the planner's picks
 
 Layout flags are `tessera train`'s; any given (on the command line or in --config) is held
-fixed while the others are searched, with every overlap on as in a tuned run. --explain
-predicts exactly the layout given, with `tessera train`'s defaults for the rest
-(--expert-tensor-parallel-size = TP, the allgather dispatcher).
+fixed while the others are searched (tessera.perf.search says what is tried, overlaps
+included); the best layout's flags are printed for `tessera train`. Without
+--global-batch-size a search takes a default batch and says so. --explain predicts exactly
+the layout given, with `tessera train`'s defaults for the rest (--expert-tensor-parallel-size
+= TP, the allgather dispatcher, overlaps off).
 """
 
 from __future__ import annotations
