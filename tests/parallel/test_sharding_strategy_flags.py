@@ -28,6 +28,7 @@ def switches(*flags: str, world_size: int = 2) -> tuple:
      "optim_grads_params"),
     (["--use-megatron-fsdp", STRATEGY, "optim_grads", "--use-distributed-optimizer"], "optim_grads"),
     (["--use-megatron-fsdp", STRATEGY, "optim"], "optim"),
+    (["--use-custom-fsdp"], "optim_grads_params"),   # Megatron's older spelling
 ])
 def test_switches_and_strategies_agree(flags, strategy):
     assert switches(*flags) == switches(STRATEGY, strategy)
