@@ -72,8 +72,9 @@ class TransformersTokenizer(TextTokenizer):
                 self._tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
             else:
                 self._tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path))
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"--tokenizer-model {path}: cannot load a Hugging Face tokenizer ({exc})") from None
+        except Exception as exc:  # noqa: BLE001 -- the tokenizers library raises a bare Exception for a bad file
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(f"--tokenizer-model {path}: cannot load a Hugging Face tokenizer ({first_line})") from None
         self.name = str(path)
         self._chat_template = chat_template
         eos = self._tokenizer.eos_token_id

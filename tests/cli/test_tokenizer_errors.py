@@ -54,3 +54,13 @@ def test_training_on_a_garbage_tokenizer_json_is_one_line(tmp_path, hf_model, ca
     assert capsys.readouterr().err.splitlines() == [
         f"tessera train: error: --tokenizer-model {tmp_path / 'junk.json'}: not a Hugging Face tokenizer.json "
         "(stream did not contain valid UTF-8)"]
+
+
+def test_generating_with_a_garbage_tokenizer_json_is_one_line(tmp_path, hf_model, capsys):
+    (tmp_path / "junk.json").write_bytes(GARBAGE)
+    with pytest.raises(SystemExit):
+        run([*_argv("generate", tmp_path, hf_model), "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+             str(tmp_path / "junk.json")])
+    assert capsys.readouterr().err.splitlines() == [
+        f"tessera generate: error: --tokenizer-model {tmp_path / 'junk.json'}: cannot load a Hugging Face tokenizer "
+        "(stream did not contain valid UTF-8)"]
