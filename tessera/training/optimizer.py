@@ -27,10 +27,10 @@ The gradient norm counts every element of the model exactly once, summed over al
 grads sharded over tensor-parallel ranks count their own elements; grads replicated over
 TP (norms, row-parallel biases) count on TP rank 0 only; grads replicated over data-
 parallel ranks count on the first replica, and those sharded over them (distributed
-optimizer, FSDP2) each their own slice, on the first copy of the sharded state (HSDP); expert weights likewise over expert parallelism
-and expert data parallelism; the word embedding that the last pipeline stage also holds
-(tied, or MTP's input) counts on the first stage only (after its gradient has been summed
-over the first and last stage).
+optimizer, FSDP2) each their own slice, on the first copy of the sharded state (HSDP);
+expert weights likewise over expert parallelism and expert data parallelism; the word
+embedding that the last pipeline stage also holds (tied, or MTP's input) counts on the
+first stage only (after its gradient has been summed over the first and last stage).
 """
 
 from __future__ import annotations
