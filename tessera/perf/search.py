@@ -98,10 +98,10 @@ def candidates(model: ModelConfig, gpus: int, gpus_per_node: int, global_batch_s
         if gpus % (tp * pp * cp):
             continue
         dp = gpus // (tp * pp * cp)
-        overlaps = itertools.product(_tp_overlaps(tp, space), (pp > 1 and space.overlap_p2p_communication is not False,))
-        for (vp, first, last), (ep, etp, dispatcher), (cp_kind, cp_a2a), (tp_overlap, p2p_overlap) in itertools.product(
+        p2p_overlap = pp > 1 and space.overlap_p2p_communication is not False
+        for (vp, first, last), (ep, etp, dispatcher), (cp_kind, cp_a2a), tp_overlap in itertools.product(
                 pipeline_splits(model.num_layers, pp, space), _expert_layouts(model, tp, space),
-                _context_layouts(tp, cp, gpus_per_node, space), overlaps):
+                _context_layouts(tp, cp, gpus_per_node, space), _tp_overlaps(tp, space)):
             layout = Layout(tp=tp, pp=pp, dp=dp, cp=cp, cp_comm_type=cp_kind, cp_a2a_size=cp_a2a,
                             ep=ep, etp=etp, moe_dispatcher=dispatcher,
                             virtual_stages=vp, micro_batch_size=mbs, first_stage_layers=first, last_stage_layers=last,
