@@ -68,13 +68,16 @@ class RunConfig:
         # The weights' E4M3 copies are cast by the distributed optimizer, slice by slice, or for
         # FSDP2's gathers shard by shard (tessera.parallel.fsdp_fp8).
         require(not train.fp8_param_gather or parallel.use_distributed_optimizer or parallel.use_torch_fsdp2,
-                "--fp8-param-gather needs --use-distributed-optimizer or --use-torch-fsdp2")
+                "--fp8-param-gather needs --use-distributed-optimizer or --use-torch-fsdp2 (a "
+                "--data-parallel-sharding-strategy other than no_shard)")
         # Dynamo would have to trace the gathered weight, a tensor subclass, through the FP8 GEMMs.
         require(not (train.fp8_param_gather and parallel.use_torch_fsdp2 and train.compile),
                 "--fp8-param-gather with --use-torch-fsdp2 does not combine with --compile (use --no-compile)")
         # As Megatron: the moments' dtypes are the distributed optimizer's (its own AdamW kernel).
         require(not self.optim.use_precision_aware_optimizer or parallel.use_distributed_optimizer,
-                "--use-precision-aware-optimizer needs --use-distributed-optimizer")
+                "--use-precision-aware-optimizer needs the distributed optimizer (--use-distributed-optimizer, "
+                f"--data-parallel-sharding-strategy optim); this run's strategy is "
+                f"{parallel.data_parallel_sharding_strategy}")
         require(
             model.num_attention_heads % tp == 0,
             f"--num-attention-heads ({model.num_attention_heads}) must be divisible by "

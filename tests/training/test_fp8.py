@@ -154,7 +154,8 @@ def test_bad_fp8_settings_name_their_flags(flags, message):
 
 
 @pytest.mark.parametrize("flags, message", [
-    ([], "--fp8-param-gather needs --use-distributed-optimizer or --use-torch-fsdp2"),
+    ([], "--fp8-param-gather needs --use-distributed-optimizer or --use-torch-fsdp2 (a "
+         "--data-parallel-sharding-strategy other than no_shard)"),
     (["--use-torch-fsdp2", "--compile"], "--fp8-param-gather with --use-torch-fsdp2 does not combine with --compile "
                                          "(use --no-compile)"),
 ])

@@ -181,7 +181,8 @@ def test_a_checkpoint_of_bf16_moments_resumes_on_the_uninterrupted_losses(tmp_pa
     (["--exp-avg-dtype", "bf16", "--use-distributed-optimizer"],
      "--exp-avg-dtype and --exp-avg-sq-dtype need --use-precision-aware-optimizer"),
     (["--use-precision-aware-optimizer", "--exp-avg-sq-dtype", "bf16"],
-     "--use-precision-aware-optimizer needs --use-distributed-optimizer"),
+     "--use-precision-aware-optimizer needs the distributed optimizer (--use-distributed-optimizer, "
+     "--data-parallel-sharding-strategy optim); this run's strategy is no_shard"),
 ])
 def test_flags_that_cannot_combine_are_named(flags, message, capsys):
     with pytest.raises(SystemExit):
