@@ -20,6 +20,10 @@ class OptimConfig:
     lr_warmup_init: float = option(0.0, "learning rate at the start of warmup")
     lr_wsd_decay_style: str = option("exponential", "shape of the WSD decay phase", ("exponential", "linear", "cosine", "minus_sqrt"))
     lr_wsd_decay_iters: int | None = option(None, "length of the WSD decay phase at the end of --lr-decay-iters")
+    decoupled_lr: float | None = option(None, "peak learning rate of the word embedding and the output layer (the "
+                                        "others train at --lr; the same schedule)")
+    decoupled_min_lr: float | None = option(None, "with --decoupled-lr: their learning rate at the end of decay "
+                                            "(default --min-lr)")
     lr_decay_samples: int | None = option(None, "with --train-samples: samples over which to decay (default "
                                           "--train-samples)")
     lr_warmup_samples: int = option(0, "with --train-samples: linear warmup samples")
@@ -51,6 +55,12 @@ class OptimConfig:
         positive(self, "adam_eps", "lr_decay_iters", "lr_wsd_decay_iters")
         require(self.weight_decay >= 0 and self.clip_grad >= 0, "--weight-decay and --clip-grad must be >= 0")
         positive(self, "lr_decay_samples", "lr_wsd_decay_samples")
+        require(self.decoupled_min_lr is None or self.decoupled_lr is not None,
+                "--decoupled-min-lr needs --decoupled-lr")
+        if self.decoupled_lr is not None:
+            decoupled_min = self.min_lr if self.decoupled_min_lr is None else self.decoupled_min_lr
+            require(0 <= decoupled_min <= self.decoupled_lr,
+                    f"--decoupled-min-lr ({decoupled_min}) must be in [0, --decoupled-lr ({self.decoupled_lr})]")
         require(self.lr_warmup_samples >= 0, "--lr-warmup-samples must be >= 0")
         require(not (self.lr_warmup_samples and self.lr_warmup_fraction is not None),
                 "give --lr-warmup-fraction or --lr-warmup-samples, not both")

@@ -23,6 +23,8 @@ buffers of FP8 linears' weights are gathered in E4M3 (tessera.parallel.fp8_gathe
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable
+
 import torch
 from torch import nn
 
@@ -33,18 +35,33 @@ from tessera.parallel.ddp import GradBuffer
 from tessera.parallel.fp8_gather import Fp8Weights
 
 
+def adamw_groups(members: Iterable[tuple[torch.Tensor, nn.Parameter]], weight_decay: float,
+                 decoupled: Collection[nn.Parameter] = ()) -> list[dict]:
+    """AdamW's parameter groups of the tensors it steps (a parameter, or a slice of one): norms
+    and biases (1-D parameters) get no weight decay, as in Megatron-LM; the parameters in
+    `decoupled` are marked to train at --decoupled-lr (TrainingOptimizer.step sets each group's)."""
+    decoupled_ids = {id(param) for param in decoupled}
+    groups: dict[tuple[bool, bool], list[torch.Tensor]] = {}
+    for tensor, param in members:
+        groups.setdefault((id(param) in decoupled_ids, param.ndim > 1), []).append(tensor)
+    return [{"params": tensors, "weight_decay": weight_decay if decayed else 0.0, "decoupled": is_decoupled}
+            for (is_decoupled, decayed), tensors in sorted(groups.items(), key=lambda kv: (kv[0][0], not kv[0][1]))]
+
+
 class DistributedOptimizer:
     def __init__(self, model: nn.Module, buffers: list[GradBuffer], optim: OptimConfig, *,
                  param_dtype: torch.dtype = torch.float32, overlap_param_gather: bool = False,
                  moment_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32),
-                 master_remainders: bool = False, fp8_layers: dict[nn.Parameter, nn.Module] | None = None):
+                 master_remainders: bool = False, fp8_layers: dict[nn.Parameter, nn.Module] | None = None,
+                 decoupled: Collection[nn.Parameter] = ()):
         """`fp8_layers` (--fp8-param-gather): the FP8 GEMM module of every weight gathered in E4M3;
-        a buffer holds either only such weights or none."""
+        a buffer holds either only such weights or none. `decoupled`: the weights that train at
+        --decoupled-lr (adamw_groups)."""
         self.buffers = buffers
         self.overlap_param_gather = overlap_param_gather
         device = next(iter(buffers[0].ranges)).device
         remainders = master_remainders and param_dtype == torch.bfloat16
-        decay, no_decay = [], []
+        members: list[tuple[torch.Tensor, nn.Parameter]] = []   # (master slice, the parameter it is of)
         # (master: fp32, or the int16 remainder below the model view; model view, param, offset)
         self._masters: list[tuple[torch.Tensor, torch.Tensor, nn.Parameter, int]] = []
         self._buffer_of: dict[torch.Tensor, GradBuffer] = {}
@@ -72,17 +89,15 @@ class DistributedOptimizer:
                         master = model_view
                     if grads.stored:
                         self._stored_grads[master] = grads.data[lo:hi]
-                    (no_decay if param.ndim == 1 else decay).append(master)
+                    members.append((master, param))
                     self._masters.append((master, model_view, param, lo - start))
                     self._buffer_of[master] = grads
             for param, (start, end) in grads.ranges.items():
                 param.data = weights[start:end].view_as(param)  # the model now reads the flat buffer
                 if param_dtype != torch.float32:
                     param.grad = None  # main grads: the buffer (filled by its hook) or autograd's bf16 grads
-        groups = [{"params": decay, "weight_decay": optim.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
         self.optimizer = MasterAdamW(
-            [g for g in groups if g["params"]] or [{"params": [torch.zeros(0, device=device)]}],
+            adamw_groups(members, optim.weight_decay, decoupled) or [{"params": [torch.zeros(0, device=device)]}],
             models={master: view for master, view, _, _ in self._masters if master is not view},
             moment_dtypes=moment_dtypes, lr=optim.lr, betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps,
         )

@@ -62,6 +62,7 @@ class IterationStats:
     moe: dict[str, float] = field(default_factory=dict)   # MoE losses and load imbalance, by name
     mtp: dict[str, float] = field(default_factory=dict)   # each MTP depth's loss ("mtp_1 loss", ...), apart from the LM's
     flops_per_iteration: float | None = None   # when the data decides them (packed documents); else the writer's
+    decoupled_lr: float | None = None   # --decoupled-lr's current rate
 
 
 class MetricsWriter:
@@ -93,7 +94,8 @@ class MetricsWriter:
         speed = self.throughput(stats.seconds_per_iteration, stats.flops_per_iteration)
         record = {
             "iteration": stats.iteration, "consumed_samples": stats.consumed_samples, "loss": stats.loss,
-            "lr": stats.lr, "grad_norm": stats.grad_norm, "loss_scale": stats.loss_scale,
+            "lr": stats.lr, **({} if stats.decoupled_lr is None else {"decoupled_lr": stats.decoupled_lr}),
+            "grad_norm": stats.grad_norm, "loss_scale": stats.loss_scale,
             "skipped_iterations": stats.skipped_iterations, "nan_iterations": stats.nan_iterations,
             "iteration_time_ms": stats.seconds_per_iteration * 1e3, **speed, "mem_gb": stats.mem_gb,
             **{name.replace(" ", "_"): value for name, value in {**stats.mtp, **stats.moe}.items()},
@@ -108,6 +110,7 @@ class MetricsWriter:
             f"MFU: {mfu}",
             f"tokens/s: {speed['tokens_per_sec']:.0f}",
             f"learning rate: {stats.lr:.6E}",
+            *([] if stats.decoupled_lr is None else [f"decoupled learning rate: {stats.decoupled_lr:.6E}"]),
             f"global batch size: {self.global_batch_size:5d}",
             f"lm loss: {_or_skipped(stats.loss, '.6E')}",
             *(f"{name}: {value:.6E}" for name, value in stats.mtp.items()),

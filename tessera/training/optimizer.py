@@ -35,6 +35,8 @@ first stage only (after its gradient has been summed over the first and last sta
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -46,18 +48,25 @@ from tessera.parallel.fsdp_fp8 import Fp8Shards
 from tessera.parallel.mesh import Mesh
 from tessera.parallel.pipeline import PipelineGroups, sum_tied_grads
 from tessera.parallel.sharding import allreduce_sequence_parallel_grads
-from tessera.parallel.zero import DistributedOptimizer
+from tessera.parallel.zero import DistributedOptimizer, adamw_groups
 
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}   # --exp-avg-dtype, --exp-avg-sq-dtype
 
 
-def _adamw(params: list[torch.Tensor], optim: OptimConfig) -> torch.optim.AdamW:
-    decay = [p for p in params if p.ndim > 1]
-    no_decay = [p for p in params if p.ndim <= 1]
-    groups = [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=optim.lr, fused=True,
-                             betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps)
+def _adamw(params: list[torch.Tensor], optim: OptimConfig, decoupled: Collection[nn.Parameter]) -> torch.optim.AdamW:
+    return torch.optim.AdamW(adamw_groups(((p, p) for p in params), optim.weight_decay, decoupled), lr=optim.lr,
+                             fused=True, betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps)
+
+
+def decoupled_parameters(model: nn.Module, optim: OptimConfig) -> set[nn.Parameter]:
+    """The weights --decoupled-lr trains: the word embedding (each stage's copy) and the output
+    layer, as Megatron-LM's is_embedding_or_output_parameter marks them."""
+    if optim.decoupled_lr is None:
+        return set()
+    embedding = getattr(model, "embedding", None)
+    return {weight for weight in (getattr(embedding, "weight", None), getattr(model, "output_weight", None))
+            if weight is not None}
 
 
 class TrainingOptimizer:
@@ -171,7 +180,8 @@ class TrainingOptimizer:
         return mesh.dp_rank == 0 and mesh.cp_rank == 0
 
     @torch.no_grad()
-    def step(self, norm: torch.Tensor, loss_scale: float, lr: float) -> torch.Tensor:
+    def step(self, norm: torch.Tensor, loss_scale: float, lr: float, decoupled_lr: float | None = None
+             ) -> torch.Tensor:
         """Unscale, clip and update in the fused AdamW kernel; returns the unscaled norm.
 
         The fused kernel divides every gradient by `grad_scale` and skips the whole update
@@ -180,7 +190,7 @@ class TrainingOptimizer:
         device-to-host sync. The norm is global, so every rank agrees on the skip.
         """
         for group in self.inner.param_groups:
-            group["lr"] = lr
+            group["lr"] = decoupled_lr if group.get("decoupled") else lr
         norm = norm / loss_scale
         max_norm = self.optim.clip_grad
         clip = (max_norm / (norm + 1e-6)).clamp(max=1.0) if max_norm > 0 else torch.ones_like(norm)
@@ -217,13 +227,14 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, parallel: ParallelConf
     `fp8_gathered` (--fp8-param-gather): the weights the distributed optimizer gathers in E4M3,
     each with its FP8 GEMM module."""
     params = [p for p in model.parameters() if p.requires_grad]
+    decoupled = decoupled_parameters(model, optim)
     if parallel.use_torch_fsdp2:
         shards = Fp8Shards(fp8_gathered, torch.bfloat16 if bf16 else torch.float32) if fp8_gathered else None
-        return TrainingOptimizer(model, optim, mesh, buffers=[], inner=_adamw(params, optim), dp_sharded=True,
+        return TrainingOptimizer(model, optim, mesh, buffers=[], inner=_adamw(params, optim, decoupled), dp_sharded=True,
                                  pipeline=pipeline, fp8_shards=shards)
     if mesh.dp_size * mesh.cp_size == 1 and mesh.edp_size == 1 and not parallel.use_distributed_optimizer:
         # Nothing to reduce: plain .grad tensors, freed rather than zeroed between steps.
-        return TrainingOptimizer(model, optim, mesh, buffers=[], inner=_adamw(params, optim), dp_sharded=False,
+        return TrainingOptimizer(model, optim, mesh, buffers=[], inner=_adamw(params, optim, decoupled), dp_sharded=False,
                                  pipeline=pipeline)
     own_group = not mesh.experts_follow_data_parallel
     fp8_gathered = fp8_gathered or {}
@@ -246,10 +257,11 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, parallel: ParallelConf
         inner = DistributedOptimizer(model, buffers, optim, param_dtype=torch.bfloat16 if bf16 else torch.float32,
                                      overlap_param_gather=parallel.overlap_param_gather,
                                      moment_dtypes=(_DTYPES[optim.exp_avg_dtype], _DTYPES[optim.exp_avg_sq_dtype]),
-                                     master_remainders=optim.use_precision_aware_optimizer, fp8_layers=fp8_gathered)
+                                     master_remainders=optim.use_precision_aware_optimizer, fp8_layers=fp8_gathered,
+                                     decoupled=decoupled)
         return TrainingOptimizer(model, optim, mesh, buffers=buffers, inner=inner, dp_sharded=True,
                                  pipeline=pipeline)
-    return TrainingOptimizer(model, optim, mesh, buffers=buffers, inner=_adamw(params, optim), dp_sharded=False,
+    return TrainingOptimizer(model, optim, mesh, buffers=buffers, inner=_adamw(params, optim, decoupled), dp_sharded=False,
                              pipeline=pipeline)
 
 

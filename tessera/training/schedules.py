@@ -14,6 +14,8 @@ from tessera.config import OptimConfig, TrainConfig
 class LRSchedule:
     def __init__(self, optim: OptimConfig, train: TrainConfig):
         self.max_lr, self.min_lr, self.init_lr = optim.lr, optim.min_lr, optim.lr_warmup_init
+        self.decoupled_max_lr = optim.decoupled_lr
+        self.decoupled_min_lr = optim.min_lr if optim.decoupled_min_lr is None else optim.decoupled_min_lr
         self.style = optim.lr_decay_style
         self.wsd_style = optim.lr_wsd_decay_style
         if train.train_samples is None:
@@ -33,15 +35,25 @@ class LRSchedule:
             self.warmup_iters = optim.lr_warmup_fraction * self.decay_iters
 
     def __call__(self, step: int) -> float:
+        return self._rate(step, self.max_lr, self.min_lr)
+
+    def decoupled(self, step: int) -> float | None:
+        """--decoupled-lr's rate: the same schedule between its own peak and floor (Megatron-LM's
+        per-group max_lr/min_lr); None without it."""
+        if self.decoupled_max_lr is None:
+            return None
+        return self._rate(step, self.decoupled_max_lr, self.decoupled_min_lr)
+
+    def _rate(self, step: int, max_lr: float, min_lr: float) -> float:
         if self.warmup_iters > 0 and step <= self.warmup_iters:
-            return self.init_lr + (self.max_lr - self.init_lr) * step / self.warmup_iters
+            return self.init_lr + (max_lr - self.init_lr) * step / self.warmup_iters
         if self.style == "constant":
-            return self.max_lr
+            return max_lr
         if self.style == "inverse-square-root":
             warmup, step = max(self.warmup_iters, 1), max(step, 1)
-            return max(self.min_lr, self.max_lr * math.sqrt(warmup) / math.sqrt(step))
+            return max(min_lr, max_lr * math.sqrt(warmup) / math.sqrt(step))
         if step > self.decay_iters:
-            return self.min_lr
+            return min_lr
         ratio = (step - self.warmup_iters) / max(self.decay_iters - self.warmup_iters, 1)
         if self.style == "linear":
             coeff = 1.0 - ratio
@@ -53,7 +65,7 @@ class LRSchedule:
                 coeff = 1.0
             else:
                 coeff = self._wsd_coeff((step - anneal_start) / self.wsd_iters)
-        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+        return min_lr + coeff * (max_lr - min_lr)
 
     def _wsd_coeff(self, ratio: float) -> float:
         if self.wsd_style == "linear":

@@ -308,7 +308,8 @@ class Trainer:
             self.loss_scaler.update(not torch.isfinite(norm).item())
         # Delayed scaling's next scales before the step: --fp8-param-gather casts the new weights with them.
         fp8.end_step(self.fp8_layers, self.mesh.group("tp_dp_cp"))
-        norm = self.optimizer.step(norm, scale, self.lr_schedule(self.iteration))
+        norm = self.optimizer.step(norm, scale, self.lr_schedule(self.iteration),
+                                   self.lr_schedule.decoupled(self.iteration))
         self.iteration += 1
         self.consumed_samples += self.config.train.global_batch_size
         loss, mtp_metrics = self.losses.finish(tokens)
@@ -384,6 +385,7 @@ class Trainer:
             loss_scale=self.loss_scaler.scale, skipped_iterations=self.skipped_iterations,
             nan_iterations=self.nan_iterations, mem_gb=peak_memory_gb(self.device), moe=moe, mtp=mtp,
             flops_per_iteration=self._packed_flops_per_iteration(len(results)),
+            decoupled_lr=self.lr_schedule.decoupled(self.iteration - 1),
         ))
         if self.pipeline is not None:
             self._log_bubble()

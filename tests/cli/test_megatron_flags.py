@@ -68,7 +68,7 @@ def test_implementation_switches_are_accepted_and_named_once():
 
 
 @pytest.mark.parametrize("flags, expected", [
-    (["--decoupled-lr", "5e-4"], "--decoupled-lr (Megatron-LM) is not supported"),
+    (["--recompute-modules", "core_attn"], "--recompute-modules (Megatron-LM) is not supported"),
     (["--rampup-batch-size", "16", "16", "1000"], "--rampup-batch-size (Megatron-LM) is not supported"),
     (["--step-batch-size-schedule", "0:16 1B:32"], "--step-batch-size-schedule (Megatron-LM) is not supported"),
 ])

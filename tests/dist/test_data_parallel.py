@@ -167,3 +167,15 @@ def test_fsdp2_computes_with_bf16_gathers_as_the_distributed_optimizer_with_bf16
     fsdp2["params"] = {name: weight.bfloat16().float() for name, weight in fsdp2["params"].items()}
     assert_equivalent(distributed, fsdp2, "DP=2 FSDP2 bf16 against the distributed optimizer's bf16 weights",
                       params_rtol=1e-4)
+
+
+def test_decoupled_lr_shards_like_the_single_process_run(reference):
+    """--decoupled-lr's groups hold the embedding and output layer whatever holds the weights: the
+    distributed optimizer's slices or FSDP2's DTensor shards."""
+    decoupled = ["--decoupled-lr", "1e-2", "--decoupled-min-lr", "1e-3"]
+    expected = train(decoupled)
+    layouts = {"DP=2 optim": decoupled + [STRATEGY, "optim"],
+               "DP=2 optim_grads_params": decoupled + [STRATEGY, "optim_grads_params"]}
+    for name, result in run_distributed(equivalence.train_layouts, 2, layouts)[0].items():
+        assert_equivalent(expected, result, name)
+    assert expected["loss"] != reference["loss"]    # the decoupled rate changed the run

@@ -67,3 +67,13 @@ def test_sample_based_schedule_is_megatrons_over_samples():
     assert lr(2) == pytest.approx(16 / 20)
     assert lr(3) == pytest.approx(0.1 + 0.9 * 0.5 * (math.cos(math.pi * (24 - 20) / 80) + 1))
     assert lr(13) == pytest.approx(0.1)   # past 100 samples
+
+
+def test_decoupled_rate_follows_the_same_schedule_between_its_own_bounds():
+    optim = OptimConfig(lr=1.0, min_lr=0.1, lr_decay_style="cosine", lr_warmup_iters=10, decoupled_lr=3.0)
+    lr = LRSchedule(optim, TrainConfig(train_iters=100))
+    assert lr.decoupled(5) == pytest.approx(1.5)                # warmup towards 3.0
+    assert lr.decoupled(55) == pytest.approx(0.1 + 2.9 * 0.5)   # halfway down to --min-lr (its default floor)
+    optim.decoupled_min_lr = 0.5
+    assert LRSchedule(optim, TrainConfig(train_iters=100)).decoupled(100) == pytest.approx(0.5)
+    assert schedule().decoupled(5) is None

@@ -147,3 +147,19 @@ def test_a_cuda_attention_backend_on_the_cpu_gets_one_note(capsys):
     Trainer(run_config("--attention-backend", "flash", "--train-iters", "1")).train()
     out = capsys.readouterr().out
     assert out.count("note: --attention-backend flash chooses among CUDA kernels; on cpu") == 1
+
+
+@pytest.mark.parametrize("sharding", [[], ["--use-distributed-optimizer"]])
+def test_decoupled_lr_trains_the_embedding_and_output_layer_at_their_own_rate(sharding):
+    """--decoupled-lr 0 freezes exactly the word embedding and the output layer; at --lr it is the
+    plain run, step for step."""
+    flags = ("--train-iters", "3", "--hidden-dropout", "0", "--attention-dropout", "0", *sharding)
+    plain = Trainer(run_config(*flags))
+    same = Trainer(run_config(*flags, "--decoupled-lr", "3e-3"))
+    frozen = Trainer(run_config(*flags, "--decoupled-lr", "0", "--decoupled-min-lr", "0"))
+    before = {name: p.detach().clone() for name, p in frozen.model.named_parameters()}
+    assert [r.loss for r in same.train()] == [r.loss for r in plain.train()]
+    frozen.train()
+    for name, param in frozen.model.named_parameters():
+        unchanged = torch.equal(param, before[name])
+        assert unchanged == (name in ("embedding.weight", "output_weight")), name
