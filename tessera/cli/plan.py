@@ -23,7 +23,7 @@ import json
 import sys
 
 from tessera.cli.args import build_parser, fail, resolve
-from tessera.config import SECTIONS, ConfigError, ModelConfig
+from tessera.config import SECTIONS, ConfigError, ModelConfig, ParallelConfig
 from tessera.perf.cluster import CLUSTERS, lookup_cluster
 from tessera.cli.flops import parameter_summary
 from tessera.perf.kernels import load_curves
@@ -84,8 +84,7 @@ def _fixed_layout(values: dict, args: argparse.Namespace, model: ModelConfig) ->
                     first_stage_layers=_setting(values, args, "decoder_first_pipeline_num_layers"),
                     last_stage_layers=_setting(values, args, "decoder_last_pipeline_num_layers"),
                     sequence_parallel=bool(_setting(values, args, "sequence_parallel")),
-                    distributed_optimizer=bool(_setting(values, args, "use_distributed_optimizer")),
-                    fsdp=bool(_setting(values, args, "use_torch_fsdp2")),
+                    **_sharding(values, args),
                     recompute=_setting(values, args, "recompute_granularity", "none"),
                     overlap_grad_reduce=bool(_setting(values, args, "overlap_grad_reduce")),
                     overlap_param_gather=bool(_setting(values, args, "overlap_param_gather")),
@@ -94,6 +93,20 @@ def _fixed_layout(values: dict, args: argparse.Namespace, model: ModelConfig) ->
                     compiled=_setting(values, args, "compile") is not False,  # tessera compiles on GPUs
                     framework="tessera", **_fp8(values, args), **_moments(values, args))
     return layout, _setting(values, args, "global_batch_size", mbs * dp)
+
+
+# The flags that choose how data parallelism shards the state (tessera.config.parallel).
+SHARDING_FIELDS = ("data_parallel_sharding_strategy", "use_distributed_optimizer", "use_torch_fsdp2",
+                   "use_megatron_fsdp", "torch_fsdp2_no_reshard_after_forward")
+
+
+def _sharding(values: dict, args: argparse.Namespace) -> dict:
+    """The distributed optimizer or FSDP2, as tessera train reads the sharding flags (a strategy,
+    Megatron-FSDP, or the switches), as Layout fields. FSDP2 is priced as ZeRO-3 for both of its
+    strategies."""
+    given = {name: _setting(values, args, name) for name in SHARDING_FIELDS}
+    parallel = ParallelConfig(**{name: value for name, value in given.items() if value is not None})
+    return dict(distributed_optimizer=parallel.use_distributed_optimizer, fsdp=parallel.use_torch_fsdp2)
 
 
 def _fp8(values: dict, args: argparse.Namespace) -> dict:

@@ -172,3 +172,16 @@ def test_without_a_batch_the_search_says_which_default_it_took(capsys):
     assert result["tokens_per_sec"] * result["step_time_s"] == pytest.approx(128 * 8192)
     assert plan.main(["--model", "llama3-8b", "--gpus", "16", "--global-batch-size", "64", "--top", "1"]) == 0
     assert "a default" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags, distributed_optimizer, fsdp", [
+    (["--data-parallel-sharding-strategy", "optim"], True, False),
+    (["--data-parallel-sharding-strategy", "optim_grads_params"], False, True),
+    (["--use-megatron-fsdp"], False, True),
+    (["--use-custom-fsdp", "--use-distributed-optimizer"], False, True),   # Megatron-FSDP's own scripts
+    (["--data-parallel-sharding-strategy", "no_shard"], False, False),
+])
+def test_the_sharding_flags_are_read_as_tessera_train_reads_them(capsys, flags, distributed_optimizer, fsdp):
+    layout = run_json(capsys, "--model", "llama3-8b", "--gpus", "8", "--explain", "--tensor-model-parallel-size",
+                      "1", "--pipeline-model-parallel-size", "1", *flags)[0]["layout"]
+    assert (layout["distributed_optimizer"], layout["fsdp"]) == (distributed_optimizer, fsdp)
