@@ -5,6 +5,7 @@ import pytest
 
 from tests.conftest import TINY, run_config
 from tessera.cli.args import parse_run_config
+from tessera.config import ConfigError
 from tessera.training.trainer import Trainer
 
 GRAPH = ["--cuda-graph-impl", "full_iteration", "--hidden-dropout", "0", "--attention-dropout", "0"]
@@ -31,5 +32,5 @@ def test_what_a_graph_cannot_hold_is_refused_naming_the_flags(flags, world_size,
 
 
 def test_a_graph_needs_a_cuda_device():
-    with pytest.raises(SystemExit, match="--cuda-graph-impl full_iteration needs a CUDA device"):
+    with pytest.raises(ConfigError, match="--cuda-graph-impl full_iteration needs a CUDA device"):
         Trainer(run_config(*GRAPH, "--device", "cpu"))
