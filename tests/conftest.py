@@ -1,10 +1,12 @@
-"""Shared helpers for the tests: tiny run configurations built from command-line flags, and the
-layers' fused CUDA paths taken on the CPU."""
+"""Shared helpers for the tests: tiny run configurations built from command-line flags, the
+layers' fused CUDA paths taken on the CPU, and FP8 layers on the CPU."""
 
 import contextlib
 import os
+from unittest import mock
 
 import pytest
+import torch
 
 from tessera.cli.args import parse_run_config
 
@@ -38,3 +40,16 @@ def fused_as_on_gpus():
         yield
     finally:
         tensor.on_triton = on_triton
+
+
+@contextlib.contextmanager
+def fp8_on_cpu():
+    """FP8 layers on the CPU (torch._scaled_mm runs there): the trainer's check for FP8 tensor cores
+    is off, and so is oneDNN, whose E4M3 x E4M3 matmul is its reference kernel on some CPUs
+    (ONEDNN_VERBOSE=1 says `ref:any`: 100 ms for 256x64 @ 64x176 on an AVX512-FP16 Xeon, torch
+    2.13), where PyTorch's own kernel gives the same bits in 0.3 ms."""
+    from tessera.training import fp8
+
+    with mock.patch.object(fp8, "check_device", lambda device, recipe: None), \
+            torch.backends.mkldnn.flags(enabled=False):
+        yield

@@ -9,8 +9,8 @@ parallelism differs from one process by more than the harness's 1e-5 (a gradient
 another order moves a weight by an ulp, which can move its E4M3 value by one of E4M3's ulps).
 Under FSDP2 (DP, with uneven shards cutting 128-blocks, and TP x DP) the same holds bit for bit.
 
-torch._scaled_mm runs on the CPU (tests/training/test_fp8.py); only the trainer's check for FP8
-tensor cores is switched off.
+torch._scaled_mm runs on the CPU (tests/training/test_fp8.py); the trainer's check for FP8 tensor
+cores is switched off (tests.conftest.fp8_on_cpu).
 """
 
 from unittest import mock
@@ -18,12 +18,12 @@ from unittest import mock
 import pytest
 import torch
 
+from tests.conftest import fp8_on_cpu
 from tests.dist import equivalence
 from tests.dist.equivalence import assert_equivalent, late_parameter_gathers
 from tests.dist.launcher import run_distributed
 from tessera.kernels.fp8 import E4M3, amax, quantize, scale_for
 from tessera.kernels.fp8_blockwise import quantize_blocks
-from tessera.training import fp8
 
 TENSORWISE = ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
 DELAYED = ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "3",
@@ -54,7 +54,7 @@ FSDP2_LAYOUTS = {
 
 
 def _with_fp8_on_cpu(fn, *args):
-    with mock.patch.object(fp8, "check_device", lambda device, recipe: None):
+    with fp8_on_cpu():
         return fn(*args)
 
 
@@ -106,8 +106,7 @@ def _gathered_against_cast(flags):
 
     config, _ = parse_run_config(equivalence.BASE + flags + ["--train-iters", "3"], "test",
                                  world_size=dist.get_world_size())
-    with mock.patch.object(fp8, "check_device", lambda device, recipe: None), \
-            mock.patch.object(zero, "all_gather_flat", recording):
+    with fp8_on_cpu(), mock.patch.object(zero, "all_gather_flat", recording):
         trainer = Trainer(config)
         for _ in range(3):   # the last step's gathers are kept
             gathers.clear()
@@ -155,7 +154,7 @@ def _fsdp2_gathered_against_cast(flags):
 
     config, _ = parse_run_config(equivalence.BASE + flags + ["--train-iters", "3"], "test",
                                  world_size=dist.get_world_size())
-    with mock.patch.object(fp8, "check_device", lambda device, recipe: None):
+    with fp8_on_cpu():
         trainer = Trainer(config)
         for _ in range(3):
             trainer.train_step()

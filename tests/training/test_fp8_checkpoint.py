@@ -2,16 +2,15 @@
 from the model's weights and restored on resume, so that the losses after a resume are the
 uninterrupted run's; checkpoints without them (bf16 runs) resume with fresh histories.
 
-torch._scaled_mm runs on CPU (tests/training/test_fp8.py checks its GEMMs there): only the
-trainer's device check, which wants FP8 tensor cores, is switched off here.
+torch._scaled_mm runs on CPU (tests/training/test_fp8.py checks its GEMMs there): the trainer's
+device check, which wants FP8 tensor cores, is switched off here (tests.conftest.fp8_on_cpu).
 """
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tests.conftest import run_config
-from tessera.training import fp8
+from tests.conftest import fp8_on_cpu, run_config
 from tessera.training.checkpoint import iteration_dir
 from tessera.training.trainer import Trainer
 
@@ -22,8 +21,9 @@ DELAYED = ["--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-hist
 
 
 @pytest.fixture(autouse=True)
-def fp8_on_cpu(monkeypatch):
-    monkeypatch.setattr(fp8, "check_device", lambda device, recipe: None)
+def on_cpu():
+    with fp8_on_cpu():
+        yield
 
 
 def _trainer(*flags):

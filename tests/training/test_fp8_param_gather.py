@@ -3,16 +3,15 @@ its step instead of casting their own, bit for bit the same training for every r
 gradient clipping: the FP8 weights' buffer of their own sums the gradient norm in another
 order, which moves a clipped update by an ulp). Data parallelism: tests/dist/test_fp8_param_gather.py.
 
-torch._scaled_mm runs on the CPU (tests/training/test_fp8.py); only the trainer's check for FP8
-tensor cores is switched off.
+torch._scaled_mm runs on the CPU (tests/training/test_fp8.py); the trainer's check for FP8 tensor
+cores is switched off (tests.conftest.fp8_on_cpu).
 """
 
 import pytest
 import torch
 
-from tessera.training import fp8
 from tessera.training.trainer import Trainer
-from tests.conftest import run_config
+from tests.conftest import fp8_on_cpu, run_config
 
 RECIPES = {
     "tensorwise": ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
@@ -23,8 +22,9 @@ RECIPES = {
 
 
 @pytest.fixture(autouse=True)
-def fp8_on_cpu(monkeypatch):
-    monkeypatch.setattr(fp8, "check_device", lambda device, recipe: None)
+def on_cpu():
+    with fp8_on_cpu():
+        yield
 
 
 def _train(flags):
