@@ -132,7 +132,12 @@ def init_distributed(device: torch.device, config: Any) -> torch.device:
     NCCL on CUDA, gloo on CPU; the timeout is --distributed-timeout-minutes.
     """
     env = resolve_environment()
-    if env.world_size == 1 or dist.is_initialized():
+    if dist.is_initialized():
+        return device
+    if env.world_size == 1:
+        if config.parallel.use_torch_fsdp2:   # FSDP2 shards over a DeviceMesh, which needs a group, of one here
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                    world_size=1, device_id=device if device.type == "cuda" else None)
         return device
     if device.type == "cuda":
         if env.local_rank >= torch.cuda.device_count():

@@ -163,3 +163,18 @@ def test_decoupled_lr_trains_the_embedding_and_output_layer_at_their_own_rate(sh
     for name, param in frozen.model.named_parameters():
         unchanged = torch.equal(param, before[name])
         assert unchanged == (name in ("embedding.weight", "output_weight")), name
+
+
+def test_fsdp2_on_one_process_trains_as_the_plain_run():
+    """A sharding strategy on one process (a config tried on one GPU before scaling out): FSDP2's
+    DeviceMesh gets a one-rank group, and the run is the plain one."""
+    import torch.distributed as dist
+
+    flags = ("--train-iters", "3", "--hidden-dropout", "0", "--attention-dropout", "0")
+    expected = losses(*flags)
+    try:
+        sharded = losses(*flags, "--data-parallel-sharding-strategy", "optim_grads_params")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    torch.testing.assert_close(sharded, expected, rtol=1e-6, atol=0)
