@@ -46,21 +46,13 @@ def test_a_bad_tokenizer_file_is_one_line(command, kind, name, problem, tmp_path
     assert err.startswith(f"tessera {command}: error: --tokenizer-model {path}: {problem}") and err.count("\n") == 1
 
 
-def test_training_on_a_garbage_tokenizer_json_is_one_line(tmp_path, hf_model, capsys):
+@pytest.mark.parametrize("command, problem", [("train", "not a Hugging Face tokenizer.json"),
+                                              ("generate", "cannot load a Hugging Face tokenizer")])
+def test_a_garbage_tokenizer_json_is_one_line(command, problem, tmp_path, hf_model, capsys):
     (tmp_path / "junk.json").write_bytes(GARBAGE)
     with pytest.raises(SystemExit):
-        run([*_argv("train", tmp_path, hf_model), "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+        run([*_argv(command, tmp_path, hf_model), "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
              str(tmp_path / "junk.json")])
     assert capsys.readouterr().err.splitlines() == [
-        f"tessera train: error: --tokenizer-model {tmp_path / 'junk.json'}: not a Hugging Face tokenizer.json "
-        "(stream did not contain valid UTF-8)"]
-
-
-def test_generating_with_a_garbage_tokenizer_json_is_one_line(tmp_path, hf_model, capsys):
-    (tmp_path / "junk.json").write_bytes(GARBAGE)
-    with pytest.raises(SystemExit):
-        run([*_argv("generate", tmp_path, hf_model), "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
-             str(tmp_path / "junk.json")])
-    assert capsys.readouterr().err.splitlines() == [
-        f"tessera generate: error: --tokenizer-model {tmp_path / 'junk.json'}: cannot load a Hugging Face tokenizer "
+        f"tessera {command}: error: --tokenizer-model {tmp_path / 'junk.json'}: {problem} "
         "(stream did not contain valid UTF-8)"]
