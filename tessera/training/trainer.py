@@ -1,7 +1,7 @@
 """The training loop: micro-batches accumulated into a global batch, one optimizer step each.
 
 The trainer is the one place that composes the mesh, model, data, optimizer, precision
-and metrics (DESIGN.md). One iteration:
+and metrics. One iteration:
 
     for each micro-batch: forward -> per-token loss -> backward of (masked loss sum / global tokens)
     gradients reduced over data-parallel ranks (during the last backward with --overlap-grad-reduce)
@@ -440,8 +440,8 @@ class Trainer:
 
 
 def _attention_backend(name: str, device: torch.device):
-    """Context that orders SDPA kernels. On H100/H200, cuDNN attention is 1.6-1.8x faster
-    than FlashAttention-2 (shared/anchors/NOTES.md), so 'auto' tries it first."""
+    """Context that orders SDPA kernels. On an H200, cuDNN attention is 1.8x as fast as
+    FlashAttention-2 (bench/attention_backends.py, docs/performance.md), so 'auto' tries it first."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     if device.type != "cuda":
