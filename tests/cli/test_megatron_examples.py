@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tessera.cli.args import parse_run_config
+from tessera.cli.megatron_flags import ignored_note
 from tests.dist.test_torchrun import TORCHRUN
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
@@ -65,3 +67,37 @@ def test_simple_train_loop_takes_the_world_size_from_torchrun(tmp_path):
     two = run(*TORCHRUN, "--standalone", "--nproc-per-node", "2", str(EXAMPLES / "simple_train_loop.py"),
               cwd=tmp_path)
     assert len(losses(one)) == 4 and losses(two) == losses(one)
+
+
+# Megatron-LM's examples/llama/train_llama3_8b_h100_fp8.sh, every flag as the script passes it (with
+# --mock-data), the model and its schedule shrunk.
+MEGATRON_LLAMA3_FP8_ARGS = [
+    "--use-mcore-models", "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "176",
+    "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "16",
+    "--seq-length", "64", "--max-position-embeddings", "64", "--position-embedding-type", "rope",
+    "--rotary-base", "1000000", "--rotary-percent", "1.0", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
+    "--swiglu", "--normalization", "RMSNorm", "--init-method-std", "0.0134", "--attention-backend", "fused",
+    "--apply-layernorm-1p", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+    "--micro-batch-size", "1", "--global-batch-size", "8", "--train-samples", "80", "--lr-decay-samples", "76",
+    "--lr-warmup-samples", "8", "--lr", "0.00015", "--min-lr", "0.00001", "--decoupled-lr", "5.0e-4",
+    "--decoupled-min-lr", "4.5e-5", "--lr-decay-style", "cosine", "--clip-grad", "1.0", "--weight-decay", "0.1",
+    "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--bf16", "--grad-reduce-in-bf16", "--cross-entropy-loss-fusion",
+    "--calculate-per-token-loss", "--manual-gc", "--empty-unused-memory-level", "1", "--exit-duration-in-mins", "235",
+    "--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max", "--fp8-param-gather",
+    "--tensor-model-parallel-size", "1", "--context-parallel-size", "1", "--sequence-parallel",
+    "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128256", "--tiktoken-pattern", "v2",
+    "--split", "99,1,0", "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--num-workers", "1",
+    "--log-interval", "1", "--eval-iters", "32", "--eval-interval", "100", "--save-interval", "1000",
+    "--log-throughput", "--profile", "--profile-step-start", "4", "--profile-step-end", "6",
+    "--ckpt-format", "torch_dist", "--distributed-timeout-minutes", "60", "--save", "ckpt", "--load", "ckpt",
+    "--tensorboard-dir", "tb",
+]
+
+
+def test_megatron_s_llama3_fp8_script_flags_are_all_taken():
+    config, namespace = parse_run_config(MEGATRON_LLAMA3_FP8_ARGS, world_size=1)
+    assert config.train.train_iters == 10 and config.optim.decoupled_lr == 5.0e-4
+    assert config.train.fp8_format == "hybrid" and config.train.attention_backend == "cudnn"
+    assert not config.parallel.sequence_parallel and config.notes   # off at TP=1, with a note, as in Megatron
+    assert "--apply-layernorm-1p" in ignored_note(namespace)
