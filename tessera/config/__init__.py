@@ -10,6 +10,7 @@ dataclass defaults < `--model PRESET` < `--config run.yaml` < command-line flags
     model.py     ModelConfig (architecture; its MoE checks in moe.py, MLA and RoPE-scaling checks in attention.py)
     parallel.py  ParallelConfig        data.py  DataConfig
     training.py  OptimConfig, TrainConfig, CheckpointConfig
+    posttrain.py PostTrainConfig (SFT, LoRA, DPO)
     run.py       RunConfig (all sections, checks across them), SECTIONS
 """
 
@@ -17,8 +18,9 @@ from tessera.config.data import DataConfig
 from tessera.config.fields import ConfigError, flag, option
 from tessera.config.model import ModelConfig
 from tessera.config.parallel import ParallelConfig
+from tessera.config.posttrain import PostTrainConfig
 from tessera.config.run import SECTIONS, RunConfig
 from tessera.config.training import CheckpointConfig, OptimConfig, TrainConfig
 
 __all__ = ["SECTIONS", "CheckpointConfig", "ConfigError", "DataConfig", "ModelConfig", "OptimConfig",
-           "ParallelConfig", "RunConfig", "TrainConfig", "flag", "option"]
+           "ParallelConfig", "PostTrainConfig", "RunConfig", "TrainConfig", "flag", "option"]

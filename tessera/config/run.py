@@ -13,6 +13,7 @@ from tessera.config.fields import ConfigError, require
 from tessera.config.model import ModelConfig
 from tessera.config.moe import check_expert_layout
 from tessera.config.parallel import ParallelConfig
+from tessera.config.posttrain import PostTrainConfig
 from tessera.config.training import CheckpointConfig, OptimConfig, TrainConfig
 
 SECTIONS = {
@@ -22,6 +23,7 @@ SECTIONS = {
     "optim": OptimConfig,
     "train": TrainConfig,
     "checkpoint": CheckpointConfig,
+    "posttrain": PostTrainConfig,
 }
 
 
@@ -35,6 +37,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))
     train: TrainConfig = field(default_factory=lambda: TrainConfig(train_iters=1))
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    posttrain: PostTrainConfig = field(default_factory=PostTrainConfig)
     world_size: int | None = None   # default: the job's (tessera.parallel.launch.job_world_size)
     notes: list[str] = field(default_factory=list, init=False)   # settings changed on the way, said at start
 

@@ -197,6 +197,9 @@ class CheckpointConfig:
     no_load_optim: bool = option(False, "do not load the optimizer state (Adam moments) from --load")
     no_load_rng: bool = option(False, "do not load the random-number-generator states from --load")
     finetune: bool = option(False, "load only the weights from --load and start at iteration 0")
+    pretrained_checkpoint: str | None = option(
+        None, "the weights to start from when --load holds no checkpoint: a tessera checkpoint or a Hugging Face "
+        "model directory (converted as it loads); iteration 0, a fresh optimizer (fine-tuning)")
     async_save: bool = option(False, "write checkpoints in the background while training continues")
     keep_last: int | None = option(None, "keep only this many newest checkpoints in --save")
 
