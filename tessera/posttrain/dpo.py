@@ -1,0 +1,240 @@
+"""Direct preference optimisation: the loss, its metrics and the reference log-probs.
+
+DPO (Rafailov et al. 2023, "Direct Preference Optimization: Your Language Model is Secretly a
+Reward Model", https://arxiv.org/abs/2305.18290) trains the policy on pairs of answers to one
+prompt, chosen (c) and rejected (r), against a frozen reference, the initial policy:
+
+    logp(y)   = sum over the answer's tokens of log pi(token)     (summed, not averaged)
+    reward(y) = beta (logp_policy(y) - logp_reference(y))
+    L_pref    = -mean over pairs of logsigmoid(beta ((logp(c) - logp_ref(c)) - (logp(r) - logp_ref(r))))
+    L         = L_pref + w_sft x (the chosen answers' token losses, summed / their number of tokens)
+
+This is TRL's DPOTrainer with loss_type ["sigmoid", "sft"] and loss_weights [1, w_sft]
+(trl/trainer/dpo_trainer.py, `_compute_loss`) and NeMo RL's `DPOLossFn`
+(nemo_rl/algorithms/loss/loss_functions.py) with preference_average_log_probs=False. The
+metrics carry TRL's names: rewards/chosen, rewards/rejected, rewards/margins (chosen minus
+rejected reward), rewards/accuracies (the fraction of pairs whose chosen reward is strictly
+the higher), logps/chosen, logps/rejected; with NeMo RL's preference_loss and sft_loss (the
+chosen answers' per-token loss, logged whatever its weight). All are means over the global batch.
+
+Layout: a pair is two consecutive rows of a micro-batch, chosen then rejected, as in NeMo RL's
+preference batches (tessera.posttrain.dpo_data). --micro-batch-size and --global-batch-size
+count rows, so both are even, and a pair never straddles two micro-batches or two ranks.
+
+Normalisation: the trainer adds up its micro-batches' objectives over micro-batches and
+data-parallel ranks, so `DPOObjective.micro_batch` returns each micro-batch's share divided by
+the global batch's counts: its pairs' loss sum / the global batch's pairs, plus w_sft x its
+chosen tokens' loss sum / the global batch's chosen tokens. The shares add up to the loss of
+the whole global batch, and so do their gradients, however the batch is split.
+
+The reference log-probs come from one of three mechanisms, each `log_probs(batch) -> [rows]`:
+a frozen copy of the initial model run on every micro-batch (`FrozenReference`: one more model
+in memory, one more forward per micro-batch); with LoRA, the policy itself with its adapters
+switched off (`AdaptersOffReference`: nothing more in memory); or one pass over the dataset's
+rows before training (`PrecomputedReference`: nothing more in memory or per step, one pass
+over the data up front), as TRL's precompute_ref_log_probs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from typing import Callable, ContextManager, Iterable, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import default_collate
+
+Batch = dict[str, torch.Tensor]
+# What the trainer supplies to run a model on a micro-batch already on the device (its autocast,
+# position ids, packed documents): the per-token losses [rows, seq], -log p(label).
+RunModel = Callable[[nn.Module, Batch], torch.Tensor]
+
+# The metrics of the pairs, by TRL's names, in the order DPOObjective sums them.
+PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+                "logps/rejected")
+REFERENCE_KEY = "reference_log_probs"   # a precomputed reference's value in each sample
+
+
+def sequence_log_probs(losses: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Each row's log-probability of its answer [rows]: minus its per-token losses summed where the mask is 1."""
+    return -(losses * loss_mask).sum(dim=-1)
+
+
+def chosen_and_rejected(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The even rows (chosen answers) and the odd rows (rejected ones) of a micro-batch."""
+    if rows.shape[0] % 2:
+        raise ValueError(f"a DPO micro-batch holds (chosen, rejected) pairs of rows, got {rows.shape[0]} rows")
+    return rows[0::2], rows[1::2]
+
+
+def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, reference_chosen: torch.Tensor,
+             reference_rejected: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per pair: the sigmoid loss, the chosen answer's reward and the rejected one's (detached)."""
+    chosen_ratio, rejected_ratio = policy_chosen - reference_chosen, policy_rejected - reference_rejected
+    losses = -F.logsigmoid(beta * (chosen_ratio - rejected_ratio))
+    return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+
+
+def pair_metric_sums(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, policy_chosen: torch.Tensor,
+                     policy_rejected: torch.Tensor) -> torch.Tensor:
+    """PAIR_METRICS summed over the pairs: divided by the number of pairs, TRL's logged values."""
+    return torch.stack([chosen_rewards.sum(), rejected_rewards.sum(), (chosen_rewards - rejected_rewards).sum(),
+                        (chosen_rewards > rejected_rewards).sum(), policy_chosen.detach().sum(),
+                        policy_rejected.detach().sum()]).float()
+
+
+class DPOObjective:
+    """DPO's part of a step (or evaluation): each micro-batch's share of the objective, and the
+    sums behind the logged loss and metrics.
+
+        objective.begin()
+        objective.set_global_batch(loss_masks)     # this rank's micro-batches of the step
+        for each micro-batch:
+            share = objective.micro_batch(losses, loss_mask, reference.log_probs(batch))
+            (share x loss scale).backward()
+        loss, metrics = objective.finish()         # the same on every rank
+
+    Under pipeline parallelism only the last stage calls micro_batch; finish sums over the
+    stages (`pp_group`) and the data-parallel ranks (`dp_group`), never over tensor-parallel
+    ranks, which hold the same values.
+    """
+
+    def __init__(self, beta: float, sft_loss_weight: float, *, dp_group=None, pp_group=None,
+                 device: torch.device | str | None = None):
+        self.beta, self.sft_loss_weight = beta, sft_loss_weight
+        self.dp_group, self.pp_group = dp_group, pp_group
+        # This rank's [preference loss sum, chosen tokens' loss sum, PAIR_METRICS sums, chosen tokens];
+        # its pairs on the host (a count from shapes needs no copy to the device).
+        self.sums = torch.zeros(3 + len(PAIR_METRICS), device=device)
+        self.pairs = 0
+        self.global_pairs = self.global_chosen_tokens = None
+
+    def begin(self) -> None:
+        self.sums.zero_()
+        self.pairs = 0
+
+    def set_global_batch(self, loss_masks: Iterable[torch.Tensor]) -> None:
+        """The global batch's pairs and chosen tokens (summed over data-parallel ranks): what each
+        micro-batch's share is divided by."""
+        chosen = [chosen_and_rejected(mask)[0] for mask in loss_masks]
+        counts = self._counts(sum(mask.shape[0] for mask in chosen), sum(mask.sum() for mask in chosen))
+        self.global_pairs, self.global_chosen_tokens = _sum(counts, self.dp_group).clamp(min=1).unbind()
+
+    def _counts(self, pairs: int, chosen_tokens: torch.Tensor) -> torch.Tensor:
+        return torch.stack([torch.full((), pairs, device=self.sums.device), chosen_tokens.float()])
+
+    def micro_batch(self, losses: torch.Tensor, loss_mask: torch.Tensor, reference_log_probs: torch.Tensor
+                    ) -> torch.Tensor:
+        """This micro-batch's share of the global batch's objective, from the policy's per-token
+        losses [rows, seq] and the reference's per-sequence log-probs [rows]."""
+        policy_chosen, policy_rejected = chosen_and_rejected(sequence_log_probs(losses, loss_mask))
+        reference_chosen, reference_rejected = chosen_and_rejected(reference_log_probs.to(policy_chosen.dtype))
+        pair_losses, chosen_rewards, rejected_rewards = dpo_loss(
+            policy_chosen, policy_rejected, reference_chosen, reference_rejected, self.beta)
+        preference, chosen_nll = pair_losses.sum(), -policy_chosen.sum()   # the chosen tokens' losses, summed
+        self.pairs += pair_losses.shape[0]
+        self.sums += torch.cat([
+            torch.stack([preference.detach(), chosen_nll.detach()]),
+            pair_metric_sums(chosen_rewards, rejected_rewards, policy_chosen, policy_rejected),
+            chosen_and_rejected(loss_mask)[0].sum().float().reshape(1)])
+        share = preference / self.global_pairs
+        if self.sft_loss_weight:
+            share = share + self.sft_loss_weight * chosen_nll / self.global_chosen_tokens
+        return share
+
+    def finish(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The objective over every micro-batch since `begin` (L_pref + w_sft x SFT loss) and the
+        metrics by name, means over those micro-batches' pairs (the SFT loss over their chosen tokens)."""
+        sums = torch.cat([self.sums, torch.full((1,), self.pairs, device=self.sums.device)])
+        sums = _sum(_sum(sums, self.pp_group), self.dp_group)
+        chosen_tokens, pairs = sums[-2].clamp(min=1), sums[-1].clamp(min=1)
+        preference, sft = sums[0] / pairs, sums[1] / chosen_tokens
+        metrics = {"preference_loss": preference, "sft_loss": sft,
+                   **dict(zip(PAIR_METRICS, (sums[2:-2] / pairs).unbind()))}
+        return preference + self.sft_loss_weight * sft, metrics
+
+
+def _sum(tensor: torch.Tensor, group) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(tensor, group=group)
+    return tensor
+
+
+# -- the reference ----------------------------------------------------------------------
+
+
+class Reference(Protocol):
+    def log_probs(self, batch: Batch) -> torch.Tensor:
+        """The reference's log-probability of each row's answer [rows], without gradient."""
+
+
+class FrozenReference:
+    """A frozen copy of the initial model: made before the policy trains (and before it is
+    compiled or sharded), run on every micro-batch."""
+
+    def __init__(self, model: nn.Module, run_model: RunModel):
+        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.run_model = run_model
+
+    @torch.no_grad()
+    def log_probs(self, batch: Batch) -> torch.Tensor:
+        return sequence_log_probs(self.run_model(self.model, batch), batch["loss_mask"])
+
+
+class AdaptersOffReference:
+    """With LoRA the initial model is the policy with its adapters switched off: `adapters_off(model)`
+    is the context manager that does it (tessera.posttrain.lora)."""
+
+    def __init__(self, model: nn.Module, run_model: RunModel, adapters_off: Callable[[nn.Module], ContextManager]):
+        self.model, self.run_model, self.adapters_off = model, run_model, adapters_off
+
+    @torch.no_grad()
+    def log_probs(self, batch: Batch) -> torch.Tensor:
+        # Evaluation mode too: the reference is deterministic (no dropout), as TRL's.
+        with self.adapters_off(self.model), _eval_mode(self.model):
+            return sequence_log_probs(self.run_model(self.model, batch), batch["loss_mask"])
+
+
+class PrecomputedReference:
+    """Reference log-probs computed once, before training (`precompute_reference_log_probs`), and
+    attached to the datasets: each sample carries its row's value under REFERENCE_KEY."""
+
+    @staticmethod
+    def log_probs(batch: Batch) -> torch.Tensor:
+        return batch[REFERENCE_KEY]
+
+
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module):
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+@torch.no_grad()
+def precompute_reference_log_probs(dataset, reference: Reference, *, micro_batch_size: int, device: torch.device | str,
+                                   dp_rank: int = 0, dp_size: int = 1, dp_group=None) -> torch.Tensor:
+    """The reference's log-probs of every row of a preference dataset (`dataset.num_rows`,
+    `dataset.row(i)`), computed by `reference` (a FrozenReference or AdaptersOffReference
+    of the initial model) and shared by the data-parallel ranks: each computes a contiguous
+    block of rows, in micro-batches of the same size and number on every rank (the last padded
+    with repeats, their values dropped), so that collectives inside the model (FSDP, pipeline)
+    line up. Attach the result with `dataset.attach_reference_log_probs`."""
+    num_rows = dataset.num_rows
+    per_rank = math.ceil(num_rows / dp_size)
+    per_rank += -per_rank % micro_batch_size
+    first = dp_rank * per_rank
+    values = torch.zeros(num_rows, dtype=torch.float32, device=device)
+    for start in range(first, first + per_rank, micro_batch_size):
+        padded = [min(row, num_rows - 1) for row in range(start, start + micro_batch_size)]
+        batch = {k: v.to(device) for k, v in default_collate([dataset.row(row) for row in padded]).items()}
+        rows = range(start, min(start + micro_batch_size, num_rows))
+        values[rows.start:rows.stop] = reference.log_probs(batch)[:len(rows)].float()
+    return _sum(values, dp_group).cpu()
