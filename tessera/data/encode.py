@@ -70,8 +70,8 @@ class EncodedBlock:
     bad_lines: list[tuple[int, str]] = field(default_factory=list)  # (line number, reason)
 
 
-def parse_line(raw: bytes, keys: list[str]) -> dict[str, str]:
-    """The texts of one JSONL line; raises ValueError with the reason the line is bad."""
+def read_json_object(raw: bytes) -> dict:
+    """The JSON object of one JSONL line; raises ValueError with the reason the line is bad."""
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -82,6 +82,12 @@ def parse_line(raw: bytes, keys: list[str]) -> dict[str, str]:
         raise ValueError(f"malformed JSON ({exc.msg} at column {exc.colno})") from None
     if not isinstance(document, dict):
         raise ValueError(f"expected a JSON object, got {type(document).__name__}")
+    return document
+
+
+def parse_line(raw: bytes, keys: list[str]) -> dict[str, str]:
+    """The texts of one JSONL line; raises ValueError with the reason the line is bad."""
+    document = read_json_object(raw)
     texts = {}
     for key in keys:
         if key not in document:

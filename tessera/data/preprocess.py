@@ -23,8 +23,8 @@ import time
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Iterator
+from functools import partial
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -111,22 +111,38 @@ def read_blocks(paths: list[str], block_bytes: int = BLOCK_BYTES) -> Iterator[Bl
                 line_number += len(lines)
 
 
+# An encoder turns one block of lines (and the 1-based number of its first line) into arrays
+# per output key; each worker builds its own (tokenizers are not sent between processes).
+Encoder = Callable[[list[bytes], int], EncodedBlock]
+
+
+class TextEncoder:
+    """Pretraining's encoder: the --json-keys texts of each line, tokenized (tessera.data.encode)."""
+
+    def __init__(self, data: DataConfig, vocab_size: int | None, options: EncodeOptions, dtype: np.dtype):
+        self.tokenizer: Tokenizer = build_tokenizer(data, vocab_size)
+        self.options, self.dtype = options, dtype
+
+    def __call__(self, lines: list[bytes], first_line: int) -> EncodedBlock:
+        return encode_block(lines, first_line, self.tokenizer, self.options, self.dtype)
+
+
 # Worker-process state, set once by the pool's initializer.
 _worker: dict = {}
 
 
-def _init_worker(data: DataConfig, vocab_size: int | None, options: EncodeOptions, dtype: np.dtype) -> None:
+def _init_worker(make_encoder: Callable[[], Encoder]) -> None:
     # A forked worker inherits the parent's signal handlers; one that only notes SIGTERM (a Trainer's
     # --exit-signal-handler, a user's script) would keep it alive when the job is stopped.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     # Each worker is one core's worth of tokenizing: no thread pools inside the tokenizers.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     os.environ["RAYON_NUM_THREADS"] = "1"
-    _worker.update(tokenizer=build_tokenizer(data, vocab_size), options=options, dtype=dtype)
+    _worker["encode"] = make_encoder()
 
 
 def _encode(block: Block) -> tuple[Block, EncodedBlock]:
-    encoded = encode_block(block.lines, block.first_line, _worker["tokenizer"], _worker["options"], _worker["dtype"])
+    encoded = _worker["encode"](block.lines, block.first_line)
     block.lines = []  # no need to send the text back
     return block, encoded
 
@@ -163,22 +179,30 @@ def preprocess(inputs: list[str], output: str, data: DataConfig, *, json_keys: l
                workers: int = 1, skip_bad_lines: bool = False, log_interval: int = 1000,
                vocab_size: int | None = None, block_bytes: int = BLOCK_BYTES) -> Summary:
     """Tokenize JSONL files into one `.bin/.idx` pair per key; returns the run's summary."""
+    dtype = optimal_dtype(build_tokenizer(data, vocab_size).vocab_size)  # a bad tokenizer fails here, not in a worker
+    options = EncodeOptions(list(json_keys), append_eod, split_sentences, keep_newlines)
+    outputs = {key: (output_prefix(output, key, split_sentences), dtype) for key in json_keys}
+    return encode_files(inputs, outputs, partial(TextEncoder, data, vocab_size, options, dtype), workers=workers,
+                        skip_bad_lines=skip_bad_lines, log_interval=log_interval, block_bytes=block_bytes)
+
+
+def encode_files(inputs: list[str], outputs: dict[str, tuple[str, np.dtype]], make_encoder: Callable[[], Encoder], *,
+                 workers: int = 1, skip_bad_lines: bool = False, log_interval: int = 1000,
+                 block_bytes: int = BLOCK_BYTES) -> Summary:
+    """Encode JSONL files with `make_encoder()`'s encoders in `workers` processes, writing each output
+    key to its (prefix, token dtype) `.bin/.idx` pair; returns the run's summary."""
     if workers < 1:
         raise PreprocessError(f"--workers must be >= 1, got {workers}")
     paths = expand_inputs(list(inputs))
-    tokenizer: Tokenizer = build_tokenizer(data, vocab_size)  # fail here, not in a worker
-    dtype = optimal_dtype(tokenizer.vocab_size)
-    options = EncodeOptions(list(json_keys), append_eod, split_sentences, keep_newlines)
-    summary = Summary(keys={k: KeyStats(output_prefix(output, k, split_sentences)) for k in json_keys})
-    writers = {k: IndexedDatasetWriter(stats.output_prefix, dtype) for k, stats in summary.keys.items()}
+    summary = Summary(keys={key: KeyStats(prefix) for key, (prefix, _) in outputs.items()})
+    writers = {key: IndexedDatasetWriter(prefix, dtype) for key, (prefix, dtype) in outputs.items()}
     progress = _Progress(sum(os.path.getsize(p) for p in paths), log_interval)
     start = time.perf_counter()
     try:
         # Leaving the executor, also on an error, waits for the blocks in flight (a few) and lets
         # the workers exit. multiprocessing.Pool's terminate() could hang there instead: its
         # workers blocked writing large results that nothing read any more.
-        with ProcessPoolExecutor(workers, initializer=_init_worker,
-                                 initargs=(data, vocab_size, options, dtype)) as pool:
+        with ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(make_encoder,)) as pool:
             pending: deque = deque()
             for block in read_blocks(paths, block_bytes):
                 pending.append(pool.submit(_encode, block))
