@@ -2,28 +2,34 @@
 loss's normalisation under any micro-batch / data-parallel split; the reference at step 0.
 
 The oracle: a random transformers Llama (the reference) and a perturbed copy (the policy),
-saved as HF directories; TRL tokenizes and collates the preference rows and computes its loss
-(`compute_loss`: sigmoid + SFT terms), metrics and per-sequence log-probs
-(`compute_ref_log_probs`), and tessera runs the same directories imported by
-tessera.interop.hf on the same token ids. fp32 on the CPU: the two sum the same per-token
-log-probs in different orders, so they agree to ~1e-6 relative.
+saved as HF directories with a chat template. TRL tokenizes and collates the preference rows
+and computes its loss (`compute_loss`: sigmoid + SFT terms), metrics and per-sequence
+log-probs (`compute_ref_log_probs`); tessera reads the same rows from JSONL
+(tessera.posttrain.dpo_data) and runs the same directories imported by tessera.interop.hf.
+fp32 on the CPU (TRL's default bf16 autocast off): the two sum the same per-token log-probs
+in different orders and agree to ~1e-6 relative.
 """
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
 import transformers
+from torch.utils.data import default_collate
 
+from tessera.config import DataConfig, PostTrainConfig
 from tessera.interop.hf import load_hf
+from tessera.posttrain.dpo_data import build_dpo_datasets
 from tessera.posttrain.dpo import (
     PAIR_METRICS, DPOObjective, FrozenReference, chosen_and_rejected, sequence_log_probs,
 )
 from tests.inference.tiny_text_model import build_hf_dir
 
 BETA, SFT_WEIGHT = 0.1, 0.5
+SEQ_LENGTH = 80   # longer than every pair's sequences: the padding is part of what is checked
 ROWS = [  # answers of different lengths, so that the SFT term's per-token mean differs from a per-pair one
     {"prompt": [{"role": "user", "content": "The quick brown fox"}],
      "chosen": [{"role": "assistant", "content": "jumps over the lazy dog."}],
@@ -87,10 +93,27 @@ def interleaved(rows: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def tessera_batch(trl):
-    """TRL's token ids as tessera's samples: inputs, next-token labels, the answers' mask on the labels."""
+def tessera_batch(hf_dirs):
+    """The rows' pairs as tessera's DPO dataset serves them, in file order (pair p: rows 2p, 2p + 1)."""
+    reference_dir, _ = hf_dirs
+    path = reference_dir.parent / "pairs.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in ROWS))
+    data = DataConfig(data_path=[str(path)], split="1,0,0", tokenizer_type="HuggingFaceTokenizer",
+                      tokenizer_model=str(reference_dir))
+    train, _ = build_dpo_datasets(data, PostTrainConfig(dpo=True), seq_length=SEQ_LENGTH, seed=0,
+                                  train_samples=2 * len(ROWS), valid_samples=0)
+    return default_collate([train.row(i) for i in range(train.num_rows)])
+
+
+def test_rows_are_trls_tokens_and_completion_masks(trl, tessera_batch):
+    """Each row holds TRL's prompt + answer ids, padded, and trains exactly TRL's completion tokens."""
     ids, completion = interleaved(trl["batch"]["input_ids"]), interleaved(trl["batch"]["completion_mask"])
-    return {"tokens": ids[:, :-1], "labels": ids[:, 1:], "loss_mask": completion[:, 1:].float()}
+    length = ids.shape[1]
+    tokens = torch.cat([tessera_batch["tokens"][:, :1], tessera_batch["labels"]], dim=1)
+    attended = interleaved(trl["batch"]["attention_mask"]).bool()
+    assert torch.equal(tokens[:, :length][attended], ids[attended])
+    assert torch.equal(tessera_batch["loss_mask"][:, :length - 1], completion[:, 1:].float())
+    assert tessera_batch["loss_mask"][:, length - 1:].sum() == 0   # padding: never trained
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +123,7 @@ def models(hf_dirs):
 
 
 def test_sequence_log_probs_equal_trl(trl, tessera_batch, models):
+    """The same answers' log-probs, each side from its own tokenization, model and code."""
     for model, name in zip(models, ("policy", "reference")):
         with torch.no_grad():
             log_probs = sequence_log_probs(run_model(model, tessera_batch), tessera_batch["loss_mask"])
