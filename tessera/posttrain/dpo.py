@@ -28,11 +28,11 @@ chosen tokens' loss sum / the global batch's chosen tokens. The shares add up to
 the whole global batch, and so do their gradients, however the batch is split.
 
 The reference log-probs come from one of three mechanisms, each `log_probs(batch) -> [rows]`:
-a frozen copy of the initial model run on every micro-batch (`FrozenReference`: one more model
+a frozen copy of the initial model run on every micro-batch (`frozen_reference`: one more model
 in memory, one more forward per micro-batch); with LoRA, the policy itself with its adapters
-switched off (`AdaptersOffReference`: nothing more in memory); or one pass over the dataset's
-rows before training (`PrecomputedReference`: nothing more in memory or per step, one pass
-over the data up front), as TRL's precompute_ref_log_probs.
+switched off (`adapters_off_reference`: one more forward, nothing more in memory); or one pass
+over the dataset's rows before training (`PrecomputedReference`: nothing more in memory or per
+step, one pass over the data up front), as TRL's precompute_ref_log_probs.
 """
 
 from __future__ import annotations
@@ -172,31 +172,31 @@ class Reference(Protocol):
         """The reference's log-probability of each row's answer [rows], without gradient."""
 
 
-class FrozenReference:
-    """A frozen copy of the initial model: made before the policy trains (and before it is
-    compiled or sharded), run on every micro-batch."""
+class ModelReference:
+    """The reference computed by running a model on each micro-batch, in evaluation mode (no
+    dropout, and MoE routers do not count its tokens), inside `context(model)`."""
 
-    def __init__(self, model: nn.Module, run_model: RunModel):
-        self.model = copy.deepcopy(model).eval().requires_grad_(False)
-        self.run_model = run_model
-
-    @torch.no_grad()
-    def log_probs(self, batch: Batch) -> torch.Tensor:
-        return sequence_log_probs(self.run_model(self.model, batch), batch["loss_mask"])
-
-
-class AdaptersOffReference:
-    """With LoRA the initial model is the policy with its adapters switched off: `adapters_off(model)`
-    is the context manager that does it (tessera.posttrain.lora)."""
-
-    def __init__(self, model: nn.Module, run_model: RunModel, adapters_off: Callable[[nn.Module], ContextManager]):
-        self.model, self.run_model, self.adapters_off = model, run_model, adapters_off
+    def __init__(self, model: nn.Module, run_model: RunModel,
+                 context: Callable[[nn.Module], ContextManager] = contextlib.nullcontext):
+        self.model, self.run_model, self.context = model, run_model, context
 
     @torch.no_grad()
     def log_probs(self, batch: Batch) -> torch.Tensor:
-        # Evaluation mode too: the reference is deterministic (no dropout), as TRL's.
-        with self.adapters_off(self.model), _eval_mode(self.model):
+        with self.context(self.model), _eval_mode(self.model):
             return sequence_log_probs(self.run_model(self.model, batch), batch["loss_mask"])
+
+
+def frozen_reference(model: nn.Module, run_model: RunModel) -> ModelReference:
+    """A frozen copy of the initial model: made before the policy trains (and before it is
+    compiled, sharded or cast to FP8), run on every micro-batch."""
+    return ModelReference(copy.deepcopy(model).requires_grad_(False), run_model)
+
+
+def adapters_off_reference(model: nn.Module, run_model: RunModel,
+                           adapters_off: Callable[[nn.Module], ContextManager]) -> ModelReference:
+    """With LoRA the initial model is the policy with its adapters switched off (`adapters_off`,
+    tessera.posttrain.lora): no copy."""
+    return ModelReference(model, run_model, adapters_off)
 
 
 class PrecomputedReference:
@@ -222,8 +222,9 @@ def _eval_mode(model: nn.Module):
 def precompute_reference_log_probs(dataset, reference: Reference, *, micro_batch_size: int, device: torch.device | str,
                                    dp_rank: int = 0, dp_size: int = 1, dp_group=None) -> torch.Tensor:
     """The reference's log-probs of every row of a preference dataset (`dataset.num_rows`,
-    `dataset.row(i)`), computed by `reference` (a FrozenReference or AdaptersOffReference
-    of the initial model) and shared by the data-parallel ranks: each computes a contiguous
+    `dataset.row(i)`), computed by `reference` (a ModelReference of the initial model: the
+    model itself before it trains, or with LoRA its adapters off) and shared by the
+    data-parallel ranks: each computes a contiguous
     block of rows, in micro-batches of the same size and number on every rank (the last padded
     with repeats, their values dropped), so that collectives inside the model (FSDP, pipeline)
     line up. Attach the result with `dataset.attach_reference_log_probs`."""

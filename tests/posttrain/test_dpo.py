@@ -22,10 +22,10 @@ from torch.utils.data import default_collate
 
 from tessera.config import DataConfig, PostTrainConfig
 from tessera.interop.hf import load_hf
-from tessera.posttrain.dpo_data import build_dpo_datasets
 from tessera.posttrain.dpo import (
-    PAIR_METRICS, DPOObjective, FrozenReference, chosen_and_rejected, sequence_log_probs,
+    PAIR_METRICS, DPOObjective, chosen_and_rejected, frozen_reference, sequence_log_probs,
 )
+from tessera.posttrain.dpo_data import build_dpo_datasets
 from tests.inference.tiny_text_model import build_hf_dir
 
 BETA, SFT_WEIGHT = 0.1, 0.5
@@ -137,7 +137,7 @@ def test_loss_and_metrics_equal_trl(trl, tessera_batch, models):
     objective.set_global_batch([tessera_batch["loss_mask"]])
     with torch.no_grad():
         share = objective.micro_batch(run_model(policy, tessera_batch), tessera_batch["loss_mask"],
-                                      FrozenReference(reference, run_model).log_probs(tessera_batch))
+                                      frozen_reference(reference, run_model).log_probs(tessera_batch))
     loss, metrics = objective.finish()
     assert 0 < metrics["rewards/accuracies"] < 1   # the pairs disagree: the accuracy is a real mean
     assert share.item() == pytest.approx(trl["loss"], rel=1e-5)
@@ -158,7 +158,7 @@ def test_split_over_micro_batches_and_ranks_adds_up(tessera_batch, models):
     ranks' global counts given): the shares, their gradients and the metrics add up to the whole
     batch's. The answers differ in length, so a per-micro-batch token mean would not."""
     policy, reference = models
-    references = FrozenReference(reference, run_model).log_probs(tessera_batch)
+    references = frozen_reference(reference, run_model).log_probs(tessera_batch)
     part = {name: [t[:2], t[2:4], t[4:]] for name, t in tessera_batch.items()}   # 1, 1 and 2 pairs
     part_references = [references[:2], references[2:4], references[4:]]
 
@@ -195,7 +195,7 @@ def test_split_over_micro_batches_and_ranks_adds_up(tessera_batch, models):
 
 def test_equal_policy_and_reference_give_log_2(tessera_batch, models):
     policy, _ = models
-    reference = FrozenReference(policy, run_model)
+    reference = frozen_reference(policy, run_model)
     objective = DPOObjective(BETA, 0.0)
     objective.begin()
     objective.set_global_batch([tessera_batch["loss_mask"]])

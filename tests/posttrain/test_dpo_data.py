@@ -16,7 +16,9 @@ from torch.utils.data import DataLoader, default_collate
 from tessera.config import ConfigError, DataConfig, ModelConfig, PostTrainConfig
 from tessera.models.gpt import GPTModel, initialize_parameters
 from tessera.models.presets import preset_values
-from tessera.posttrain.dpo import REFERENCE_KEY, FrozenReference, PrecomputedReference, precompute_reference_log_probs
+from tessera.posttrain.dpo import (
+    REFERENCE_KEY, ModelReference, PrecomputedReference, frozen_reference, precompute_reference_log_probs,
+)
 from tessera.posttrain.dpo_data import build_dpo_datasets
 
 EOD = 256
@@ -136,20 +138,19 @@ def run_model(model, batch):
 def test_frozen_copy_and_precomputed_pass_give_the_same_reference(tmp_path):
     train, _ = datasets(write_jsonl(tmp_path / "pairs.jsonl", PAIRS), train_samples=8)
     policy = tiny_model()
-    frozen = FrozenReference(policy, run_model)
-    # Two data-parallel ranks' blocks, in micro-batches of 4 (the last padded), summed as the all-reduce does.
-    values = sum(precompute_reference_log_probs(train, frozen, micro_batch_size=4, device="cpu", dp_rank=rank,
-                                                dp_size=2) for rank in range(2))
+    frozen = frozen_reference(policy, run_model)
+    # The initial model itself, before it trains: two data-parallel ranks' blocks in micro-batches
+    # of 4 (the last padded), added as the all-reduce adds them.
+    values = sum(precompute_reference_log_probs(train, ModelReference(policy, run_model), micro_batch_size=4,
+                                                device="cpu", dp_rank=rank, dp_size=2) for rank in range(2))
     train.attach_reference_log_probs(values)
-    with torch.no_grad():   # the policy moves on; the reference does not
+    with torch.no_grad():   # the policy moves on; the references do not
         for parameter in policy.parameters():
             parameter.mul_(1.5)
-    loader = DataLoader(train, batch_size=4, collate_fn=default_collate)
-    for batch in loader:
+    for batch in DataLoader(train, batch_size=4, collate_fn=default_collate):
         assert batch[REFERENCE_KEY].shape == (4,)
         torch.testing.assert_close(PrecomputedReference.log_probs(batch), frozen.log_probs(batch), rtol=1e-6,
                                    atol=1e-5)
-        moved = FrozenReference(policy, run_model).log_probs(batch)
-        assert not torch.allclose(moved, frozen.log_probs(batch))
+        assert not torch.allclose(ModelReference(policy, run_model).log_probs(batch), frozen.log_probs(batch))
     with pytest.raises(ValueError, match="6 reference log-probs expected"):
         train.attach_reference_log_probs(values[:4])
