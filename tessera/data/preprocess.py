@@ -2,10 +2,12 @@
 
 One streaming pass. The main process reads the input in blocks of whole lines (about
 1 MiB each, `.gz` decompressed on the fly) and hands them to a pool of worker processes
-that parse and tokenize (`tessera.data.encode`); it then writes the results in input
-order. At most two blocks per worker are in flight, so memory stays flat however large
-the input, and the writer keeps its index on disk (`IndexedDatasetWriter`). The outputs
-appear under their final names only when the whole input went through.
+that parse and tokenize (an encoder: `TextEncoder` for documents, tessera.data.encode;
+conversations and their loss masks for `--sft`, tessera.posttrain.sft_preprocess); it
+then writes the results in input order. At most two blocks per worker are in flight, so
+memory stays flat however large the input, and the writer keeps its index on disk
+(`IndexedDatasetWriter`). The outputs appear under their final names only when the whole
+input went through.
 
 Megatron's --partitions (separate per-partition outputs, merged at the end) is not
 needed: the reader only moves bytes, never parses or tokenizes, so one reader keeps many

@@ -160,15 +160,21 @@ def _open(path: str, flag: str, encoder: ConversationEncoder) -> Conversations:
     return IndexedConversations(path, flag)
 
 
+def check_data_flags(data: DataConfig, feature: str, reads: str, layout: str) -> None:
+    """What fine-tuning data refuses: --mock-data, and the pretraining flags its own row `layout`
+    replaces (--reset-position-ids, --reset-attention-mask, --eod-mask-loss)."""
+    if data.mock_data:
+        raise ConfigError(f"{feature} reads {reads} from --data-path; --mock-data has none")
+    for name in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
+        if getattr(data, name):
+            raise ConfigError(f"{feature} {layout}: drop --{name.replace('_', '-')}")
+
+
 def _check(data: DataConfig, posttrain: PostTrainConfig, seq_length: int, cp_size: int) -> None:
     if not posttrain.sft:
         raise ConfigError("build_sft_datasets needs --sft")
-    if data.mock_data:
-        raise ConfigError("--sft reads conversations from --data-path; --mock-data has none")
-    for name in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
-        if getattr(data, name):
-            raise ConfigError(f"--sft packs each conversation as a document of its own and masks by role: drop "
-                              f"--{name.replace('_', '-')}")
+    check_data_flags(data, "--sft", "conversations", "packs each conversation as a document of its own and masks "
+                     "by role")
     if cp_size > 1 and seq_length % (2 * cp_size):
         raise ConfigError(f"--seq-length {seq_length} must be divisible by 2 x --context-parallel-size {cp_size}")
 
