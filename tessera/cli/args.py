@@ -195,9 +195,14 @@ def parse_run_config(argv: list[str], prog: str = "tessera train", world_size: i
     namespace = parser.parse_args(argv)
     check_aliases(parser, namespace)
     try:
+        from tessera.training.pretrained import model_from_checkpoint
+
         values = resolve(namespace, SECTIONS)
+        note = model_from_checkpoint(values)
         parts = {section: SECTIONS[section](**values[section]) for section in SECTIONS}
-        return RunConfig(**parts, world_size=world_size), namespace
+        config = RunConfig(**parts, world_size=world_size)
+        config.notes += [note] if note else []
+        return config, namespace
     except ConfigError as exc:
         parser.exit(2, f"{prog}: error: {exc}\n")
 

@@ -100,7 +100,6 @@ IGNORED: dict[str, Ignored] = {
 UNSUPPORTED: dict[str, str] = {
     "--rampup-batch-size": "tessera trains at one --global-batch-size",
     "--step-batch-size-schedule": "tessera trains at one --global-batch-size",
-    "--use-checkpoint-args": "give the model's flags (or --model PRESET); the checkpoint's config.yaml lists them",
     "--recompute-modules": "--recompute-granularity selective recomputes attention's core; full recomputes layers",
     "--checkpoint-activations": "use --recompute-activations, or --recompute-granularity and --recompute-method",
 }

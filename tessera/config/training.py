@@ -197,6 +197,10 @@ class CheckpointConfig:
     no_load_optim: bool = option(False, "do not load the optimizer state (Adam moments) from --load")
     no_load_rng: bool = option(False, "do not load the random-number-generator states from --load")
     finetune: bool = option(False, "load only the weights from --load and start at iteration 0")
+    use_checkpoint_args: bool = option(
+        False, "take the model's flags from the checkpoint in --load (or --pretrained-checkpoint, a Hugging Face "
+        "directory too); flags that may change on resume (--seq-length, dropout, ...) still come from the command "
+        "line. Done by itself when no model is given at all")
     pretrained_checkpoint: str | None = option(
         None, "the weights to start from when --load holds no checkpoint: a tessera checkpoint or a Hugging Face "
         "model directory (converted as it loads); iteration 0, a fresh optimizer (fine-tuning)")

@@ -48,22 +48,26 @@ from tessera.training.checkpoint_state import (
     Chunked, LoadPlanner, fp8_scaling_state, fp8_scaling_targets, master_state, master_weights, model_state,
     optimizer_state, optimizer_steps, restore_fp8_scaling, set_optimizer_steps,
 )
+from tessera.training.pretrained import converted_checkpoint, is_hf_dir, newest_checkpoint, remove_converted
 
 # Model fields a run may change on resume (fine-tuning, longer sequences with RoPE);
 # the parameters' shapes are checked on their own.
-_MAY_CHANGE = {"seq_length", "hidden_dropout", "attention_dropout", "init_method_std", "make_vocab_size_divisible_by",
-               # how MoE layers train, not what they hold
-               "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate",
-               "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
-               "moe_grouped_gemm", "moe_router_dtype",
-               "mtp_loss_scaling_factor"}   # DeepSeek-V3 lowered it from 0.3 to 0.1 during training
+FIELDS_THAT_MAY_CHANGE = {
+    "seq_length", "hidden_dropout", "attention_dropout", "init_method_std", "make_vocab_size_divisible_by",
+    # how MoE layers train, not what they hold
+    "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate",
+    "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
+    "moe_grouped_gemm", "moe_router_dtype",
+    "mtp_loss_scaling_factor",   # DeepSeek-V3 lowered it from 0.3 to 0.1 during training
+}
 
 
 def model_config_differences(saved: dict[str, Any], current: ModelConfig) -> list[str]:
     """'--flag: checkpoint X, run Y' for each architecture field that differs."""
     differences = []
     for name, value in dataclasses.asdict(current).items():
-        if name in _MAY_CHANGE or (name == "max_position_embeddings" and current.position_embedding_type == "rope"):
+        if name in FIELDS_THAT_MAY_CHANGE or (name == "max_position_embeddings"
+                                              and current.position_embedding_type == "rope"):
             continue
         if saved.get(name, value) != value:
             differences.append(f"{flag(name)}: checkpoint {saved[name]!r}, this run {value!r}")
@@ -280,8 +284,30 @@ class Checkpointer:
     # -- loading -------------------------------------------------------------------------
 
     def load(self, trainer) -> None:
-        """Resume from the newest readable checkpoint in --load (nothing there: start fresh)."""
+        """Resume from the newest readable checkpoint in --load; with none there, start from the
+        weights of --pretrained-checkpoint, or from scratch."""
+        if self.options.load is not None and self._resume(trainer):
+            return
+        if self.options.pretrained_checkpoint is not None:
+            self._load_pretrained(trainer)
+
+    def _load_pretrained(self, trainer) -> None:
+        """--pretrained-checkpoint's weights at iteration 0 (tessera.training.pretrained)."""
+        path = self.options.pretrained_checkpoint
+        if is_hf_dir(path):
+            converted = converted_checkpoint(path, self.config.model.make_vocab_size_divisible_by)
+            try:
+                self._load_from(complete_checkpoints(converted)[0], trainer, weights_only=True)
+            finally:
+                remove_converted(converted)
+        else:
+            self._load_from(newest_checkpoint(path, "--pretrained-checkpoint"), trainer, weights_only=True)
+        log_info(f"starting from the weights of --pretrained-checkpoint {path}")
+
+    def _resume(self, trainer) -> bool:
+        """Load the newest readable checkpoint in --load; False when it holds none."""
         root = Path(self.options.load)
+        fallback = "the weights of --pretrained-checkpoint" if self.options.pretrained_checkpoint else "scratch"
         # Megatron's auto-resume: `--save $CKPT --load $CKPT` on every launch of a job, the first one included.
         first_launch = self.options.save is not None and Path(self.options.save).resolve() == root.resolve()
         if root.exists() and not root.is_dir():
@@ -295,29 +321,29 @@ class Checkpointer:
                 raise ConfigError(f"--load {root}: this is one checkpoint; --load takes the directory that holds "
                                   f"them ({root.parent})")
             if first_launch:
-                log_info(f"--load {root}: no checkpoint yet (the --save directory), starting from scratch")
+                log_info(f"--load {root}: no checkpoint yet (the --save directory), starting from {fallback}")
             else:
-                log_warning(f"--load {root}: no checkpoint in it, starting from scratch")
-            return
+                log_warning(f"--load {root}: no checkpoint in it, starting from {fallback}")
+            return False
         for directory in candidates:
             try:
                 self._load_from(directory, trainer)
                 log_info(f"loaded {directory} (iteration {trainer.iteration})")
-                return
+                return True
             except ConfigError:
                 raise
             except (Exception, CheckpointException) as exc:  # noqa: BLE001 -- corrupt: fall back to an older one
                 log_warning(f"skipping {directory}: cannot be read ({type(exc).__name__}: {str(exc)[:300]})")
         raise RuntimeError(f"--load {root}: none of its checkpoints could be read")
 
-    def _load_from(self, directory: Path, trainer) -> None:
+    def _load_from(self, directory: Path, trainer, weights_only: bool = False) -> None:
         saved = saved_run_config(directory)
         differences = model_config_differences(saved["model"], self.config.model)
         if differences:
             raise ConfigError(f"{directory} was saved for another model; differing settings:\n  "
                               + "\n  ".join(differences))
         metadata = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
-        weights_only = self.options.finetune or "train_state" not in metadata
+        weights_only = weights_only or self.options.finetune or "train_state" not in metadata
         state: dict[str, Any] = model_state(trainer.model)
         if not (weights_only or self.options.no_load_optim):
             state.update(optimizer_state(trainer.model, trainer.optimizer, create=True))

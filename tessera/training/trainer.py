@@ -138,8 +138,8 @@ class Trainer:
         self.step_graph = self._step_graph()
         self.checkpointer = Checkpointer(config, self.device)
         self.stragglers = StragglerTimer(self.device, train.straggler_minmax_count) if train.log_straggler else None
-        if config.checkpoint.load:
-            self.checkpointer.load(self)  # model, optimizer, iteration, consumed samples, RNG
+        if config.checkpoint.load or config.checkpoint.pretrained_checkpoint:
+            self.checkpointer.load(self)  # model, optimizer, iteration, consumed samples, RNG; or the start weights
         self._attention = _attention_backend(train.attention_backend, self.device)
         self.document_backend = default_backend(self.device, self.amp_dtype or torch.float32,
                                                 config.model.attention_dropout > 0)   # packed samples' kernel
