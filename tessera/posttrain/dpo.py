@@ -121,11 +121,9 @@ class DPOObjective:
         """The global batch's pairs and chosen tokens (summed over data-parallel ranks): what each
         micro-batch's share is divided by."""
         chosen = [chosen_and_rejected(mask)[0] for mask in loss_masks]
-        counts = self._counts(sum(mask.shape[0] for mask in chosen), sum(mask.sum() for mask in chosen))
+        counts = torch.stack([torch.full((), float(sum(mask.shape[0] for mask in chosen)), device=self.sums.device),
+                              sum(mask.sum() for mask in chosen).float()])
         self.global_pairs, self.global_chosen_tokens = _sum(counts, self.dp_group).clamp(min=1).unbind()
-
-    def _counts(self, pairs: int, chosen_tokens: torch.Tensor) -> torch.Tensor:
-        return torch.stack([torch.full((), pairs, device=self.sums.device), chosen_tokens.float()])
 
     def micro_batch(self, losses: torch.Tensor, loss_mask: torch.Tensor, reference_log_probs: torch.Tensor
                     ) -> torch.Tensor:
@@ -149,7 +147,7 @@ class DPOObjective:
     def finish(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The objective over every micro-batch since `begin` (L_pref + w_sft x SFT loss) and the
         metrics by name, means over those micro-batches' pairs (the SFT loss over their chosen tokens)."""
-        sums = torch.cat([self.sums, torch.full((1,), self.pairs, device=self.sums.device)])
+        sums = torch.cat([self.sums, torch.full((1,), float(self.pairs), device=self.sums.device)])
         sums = _sum(_sum(sums, self.pp_group), self.dp_group)
         chosen_tokens, pairs = sums[-2].clamp(min=1), sums[-1].clamp(min=1)
         preference, sft = sums[0] / pairs, sums[1] / chosen_tokens
