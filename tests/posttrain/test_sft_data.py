@@ -8,7 +8,6 @@ directory would hold them, and read offline.
 
 import json
 
-import numpy as np
 import pytest
 
 from tessera.config import ConfigError, DataConfig
@@ -29,7 +28,8 @@ LLAMA_LIKE = "{{ bos_token }}" + CHATML   # a BOS before the conversation, as Ll
 DEFAULT_SYSTEM = ("{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are helpful.<|im_end|>\n{% endif %}"
                   + CHATML)
 # The generation prompt names the assistant "bot", its turns "assistant": the prefix cannot be found.
-MISNAMED_PROMPT = "{% for m in messages %}" + TURN + "{% endfor %}{% if add_generation_prompt %}<|im_start|>bot\n{% endif %}"
+MISNAMED_PROMPT = ("{% for m in messages %}" + TURN + "{% endfor %}"
+                   "{% if add_generation_prompt %}<|im_start|>bot\n{% endif %}")
 
 CONVERSATION = [
     {"role": "system", "content": "You are helpful."},
@@ -142,7 +142,8 @@ def test_identity_with_a_hugging_face_tokenizer_ends_answers_with_its_eos(tmp_pa
 
 
 def test_rows_split_into_conversations_at_each_system_message():
-    second = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+    second = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+              {"role": "assistant", "content": "a"}]
     assert row_conversations({"messages": CONVERSATION + second}) == [CONVERSATION, second]
     assert row_conversations({"messages": CONVERSATION[1:3]}) == [CONVERSATION[1:3]]
     assert row_conversations({"prompt": "p", "completion": "c"}) == [

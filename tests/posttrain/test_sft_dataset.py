@@ -145,7 +145,8 @@ def test_too_long_conversations_are_cut_and_dropped_when_no_answer_is_left(tmp_p
     long_prompt = [{"role": "user", "content": "x" * 40}, {"role": "assistant", "content": "late answer"}]
     long_answer = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "y" * 40}]
     short = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
-    data = byte_data(write_jsonl(tmp_path / "chats.jsonl", [{"messages": m} for m in (long_prompt, long_answer, short)]))
+    rows = [{"messages": messages} for messages in (long_prompt, long_answer, short)]
+    data = byte_data(write_jsonl(tmp_path / "chats.jsonl", rows))
     with pytest.warns(UserWarning, match="2 of 3 train conversations are longer than a row .33 tokens. and were cut "
                                          "on the right; 1 of them kept no assistant token and were dropped"):
         train, _ = build(data, seq_length=32, train=2)
