@@ -145,6 +145,8 @@ class RunConfig:
                 "weights on the host's schedule)")
         require(not self.data.reset_attention_mask,
                 f"{flag} does not combine with --reset-attention-mask (document boundaries are read on the host)")
+        require(not self.posttrain.sft, f"{flag} does not combine with --sft (its conversations' boundaries are "
+                "read on the host)")
         if model.num_experts:
             require(model.moe_grouped_gemm, f"{flag} with --num-experts needs --moe-grouped-gemm (the loop over "
                     "experts reads their token counts on the host)")

@@ -36,7 +36,7 @@ from tessera.data.indexed import IndexedDataset, IndexedDatasetError
 from tessera.data.loader import split_ranges
 from tessera.data.preprocess import read_blocks
 from tessera.posttrain.sft_data import ChatTokenizer, ConversationEncoder, ConversationError, build_chat_tokenizer
-from tessera.posttrain.sft_packing import (first_fit_decreasing, pack_row, row_capacity, row_sizes,
+from tessera.posttrain.sft_packing import (first_fit_decreasing, pack_row, row_sizes,
                                           trained_after_truncation)
 
 MASK_SUFFIX = "_loss_mask"
@@ -102,13 +102,13 @@ class Part:
 class SFTDataset(Dataset):
     """Packed rows of a split's conversations; `ds[i]` is a sample dict (see pack_row)."""
 
-    def __init__(self, parts: list[Part], num_samples: int | None, seed: int, seq_length: int, multiple: int,
-                 pad: int, split: str, cache_dir: str | None):
-        self.parts, self.seq_length, self.multiple, self.pad = parts, seq_length, multiple, pad
+    def __init__(self, parts: list[Part], num_samples: int | None, seed: int, seq_length: int, pad: int,
+                 split: str, cache_dir: str | None):
+        self.parts, self.seq_length, self.pad = parts, seq_length, pad
         self.offsets = np.cumsum([0] + [part.end - part.begin for part in parts])
         description = {"class": "SFTDataset", "split": split, "parts": [
             [part.source.description, part.begin, part.end] for part in parts],
-            "seq_length": seq_length, "multiple": multiple, "num_samples": num_samples, "seed": seed}
+            "seq_length": seq_length, "num_samples": num_samples, "seed": seed}
         self.index = cached_arrays(cache_dir, "SFTDataset", description, ("row_starts", "row_items", "order"),
                                    lambda: self._build_index(num_samples, seed, split))
 
@@ -123,10 +123,9 @@ class SFTDataset(Dataset):
 
     def _build_index(self, num_samples: int | None, seed: int, split: str) -> dict[str, np.ndarray]:
         lengths = np.concatenate([part.source.sequence_lengths[part.begin:part.end] for part in self.parts])
-        capacity = row_capacity(self.seq_length, self.multiple)
+        capacity = self.seq_length + 1
         cut = np.flatnonzero(lengths > capacity)
-        dropped = [i for i in cut.tolist()
-                   if not trained_after_truncation(self.conversation(i)[1], self.seq_length, self.multiple)]
+        dropped = [i for i in cut.tolist() if not trained_after_truncation(self.conversation(i)[1], self.seq_length)]
         kept = np.setdiff1d(np.arange(len(lengths)), dropped)
         if len(cut):
             warnings.warn(f"--seq-length {self.seq_length}: {len(cut)} of {len(lengths)} {split} conversations are "
@@ -135,7 +134,7 @@ class SFTDataset(Dataset):
         if not len(kept):
             raise ConfigError(f"--seq-length {self.seq_length}: no {split} conversation has an assistant token "
                               "within a row")
-        row_starts, items = first_fit_decreasing(row_sizes(lengths[kept], self.seq_length, self.multiple), capacity)
+        row_starts, items = first_fit_decreasing(row_sizes(lengths[kept], self.seq_length), capacity)
         rows = len(row_starts) - 1
         num_samples = rows if num_samples is None else num_samples
         rng = np.random.RandomState(seed)
@@ -149,7 +148,7 @@ class SFTDataset(Dataset):
         row = int(self.index["order"][index])
         starts, items = self.index["row_starts"], self.index["row_items"]
         conversations = [self.conversation(int(i)) for i in items[starts[row]:starts[row + 1]]]
-        return pack_row(conversations, self.seq_length, self.multiple, self.pad)
+        return pack_row(conversations, self.seq_length, self.pad)
 
 
 def _open(path: str, flag: str, encoder: ConversationEncoder) -> Conversations:
@@ -170,13 +169,11 @@ def check_data_flags(data: DataConfig, feature: str, reads: str, layout: str) ->
             raise ConfigError(f"{feature} {layout}: drop --{name.replace('_', '-')}")
 
 
-def _check(data: DataConfig, posttrain: PostTrainConfig, seq_length: int, cp_size: int) -> None:
+def _check(data: DataConfig, posttrain: PostTrainConfig) -> None:
     if not posttrain.sft:
         raise ConfigError("build_sft_datasets needs --sft")
     check_data_flags(data, "--sft", "conversations", "packs each conversation as a document of its own and masks "
                      "by role")
-    if cp_size > 1 and seq_length % (2 * cp_size):
-        raise ConfigError(f"--seq-length {seq_length} must be divisible by 2 x --context-parallel-size {cp_size}")
 
 
 def _split_parts(data: DataConfig, encoder: ConversationEncoder) -> dict[str, list[Part]]:
@@ -202,7 +199,7 @@ def _split_parts(data: DataConfig, encoder: ConversationEncoder) -> dict[str, li
 
 
 def build_sft_datasets(data: DataConfig, posttrain: PostTrainConfig, *, seq_length: int, seed: int,
-                       train_samples: int, valid_samples: int, cp_size: int = 1, vocab_size: int | None = None,
+                       train_samples: int, valid_samples: int, vocab_size: int | None = None,
                        tokenizer: ChatTokenizer | None = None) -> tuple[SFTDataset | None, SFTDataset | None]:
     """The train and valid datasets of --sft from --data-path (+ --split) or --train/valid-data-path.
 
@@ -210,18 +207,17 @@ def build_sft_datasets(data: DataConfig, posttrain: PostTrainConfig, *, seq_leng
     was built already (build_chat_tokenizer), else it is built here. A split with no requested
     samples or no conversations is None; requested training samples need training conversations.
     """
-    _check(data, posttrain, seq_length, cp_size)
+    _check(data, posttrain)
     prompt_format = posttrain.sft_tokenizer_prompt_format
     encoder = ConversationEncoder(tokenizer or build_chat_tokenizer(data, prompt_format, vocab_size), prompt_format)
     per_split = _split_parts(data, encoder)
     sources = [part.source for parts in per_split.values() for part in parts]
     cached = bool(sources) and all(isinstance(source, IndexedConversations) for source in sources)
     cache_dir = (data.data_cache_path or default_cache_dir(sources[0].prefix)) if cached else None
-    multiple = 2 * cp_size if cp_size > 1 else 1
     datasets = {}
     for split, count in zip(SPLITS, (train_samples, valid_samples)):
         parts = [part for part in per_split[split] if part.end > part.begin]
-        datasets[split] = SFTDataset(parts, count, seed, seq_length, multiple, encoder.tokenizer.pad, split,
+        datasets[split] = SFTDataset(parts, count, seed, seq_length, encoder.tokenizer.pad, split,
                                      cache_dir) if parts and count > 0 else None
     if datasets["train"] is None and train_samples > 0:
         raise ConfigError(f"--sft: no training conversations (check --data-path and --split '{data.split}')")

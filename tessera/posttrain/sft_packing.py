@@ -1,4 +1,4 @@
-"""Conversations packed into training rows: first-fit-decreasing, CP padding, truncation.
+"""Conversations packed into training rows: first-fit-decreasing, truncation.
 
 A row has seq_length + 1 token slots: the inputs are slots [0, s) and the labels slots
 [1, s + 1), as in pretraining (tessera.data.gpt_dataset). Each conversation is one
@@ -12,10 +12,9 @@ have loss mask 0.
   with room, longest first), which depends on the lengths alone: not on the seed, nor on
   the number of data-parallel ranks. What a row leaves free at its end is padding, a
   document of its own, never trained.
-- Context parallelism: the zigzag split cuts each document into 2 x CP chunks, so each
-  conversation's slots are padded to a multiple of 2 x CP (Megatron-LM's SFTDataset does
-  the same); the padding follows the conversation inside its document, so causal
-  attention keeps the real tokens from seeing it.
+- Context parallelism needs no padding: its zigzag split cuts each document into 2 x CP
+  chunks of any length (tessera.parallel.context_split), so a row is the same whatever the
+  number of context-parallel ranks, and so is what a run computes.
 - Truncation: a conversation longer than a row is cut on the right to fill a row alone
   (as Megatron-LM truncates). Its remaining assistant tokens are trained; the turn that
   was cut gets no end-of-turn (none is appended), and the row's last label is one of the
@@ -31,19 +30,9 @@ import numpy as np
 import torch
 
 
-def padded_length(length: int | np.ndarray, multiple: int) -> int | np.ndarray:
-    """`length` rounded up to a multiple of `multiple`."""
-    return -(-length // multiple) * multiple
-
-
-def row_capacity(seq_length: int, multiple: int) -> int:
-    """Slots a row offers a conversation: seq_length + 1, less what CP padding could not fill."""
-    return (seq_length + 1) // multiple * multiple
-
-
-def row_sizes(lengths: np.ndarray, seq_length: int, multiple: int) -> np.ndarray:
-    """Slots each conversation takes in a row: its length padded, at most a row's capacity."""
-    return np.minimum(padded_length(np.asarray(lengths, dtype=np.int64), multiple), row_capacity(seq_length, multiple))
+def row_sizes(lengths: np.ndarray, seq_length: int) -> np.ndarray:
+    """Slots each conversation takes in a row of seq_length + 1: its length, at most a row."""
+    return np.minimum(np.asarray(lengths, dtype=np.int64), seq_length + 1)
 
 
 def first_fit_decreasing(sizes: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
@@ -77,29 +66,28 @@ def first_fit_decreasing(sizes: np.ndarray, capacity: int) -> tuple[np.ndarray, 
     return row_starts, items
 
 
-def trained_after_truncation(mask: np.ndarray, seq_length: int, multiple: int) -> int:
+def trained_after_truncation(mask: np.ndarray, seq_length: int) -> int:
     """How many labels of a conversation cut to a row are trained (its first token is no label)."""
-    return int(np.count_nonzero(mask[1:row_capacity(seq_length, multiple)]))
+    return int(np.count_nonzero(mask[1:seq_length + 1]))
 
 
-def pack_row(conversations: Sequence[tuple[np.ndarray, np.ndarray]], seq_length: int, multiple: int,
+def pack_row(conversations: Sequence[tuple[np.ndarray, np.ndarray]], seq_length: int,
              pad: int) -> dict[str, torch.Tensor]:
     """One training sample from the (token ids, loss mask) of the conversations of a row:
     tokens, labels, loss_mask, position_ids [seq_length] and cu_seqlens (int32, 0 ... s)."""
-    slots, capacity = seq_length + 1, row_capacity(seq_length, multiple)
+    slots = seq_length + 1
     tokens = np.full(slots, pad, dtype=np.int64)
     trained = np.zeros(slots, dtype=bool)
     positions = np.empty(slots, dtype=np.int64)
     ends, at = [], 0
     for ids, mask in conversations:
-        length = min(len(ids), capacity)
-        span = min(padded_length(length, multiple), capacity)
-        if at + span > slots:
-            raise ValueError(f"conversations of {at + span} slots overflow a row of {slots}")
+        length = min(len(ids), slots)
+        if at + length > slots:
+            raise ValueError(f"conversations of {at + length} slots overflow a row of {slots}")
         tokens[at:at + length] = ids[:length]
         trained[at:at + length] = mask[:length] != 0
-        positions[at:at + span] = np.arange(span)
-        at += span
+        positions[at:at + length] = np.arange(length)
+        at += length
         ends.append(at)
     positions[at:] = np.arange(slots - at)   # the padding at the end: a document of its own
     loss_mask = trained[1:].copy()

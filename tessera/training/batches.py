@@ -54,7 +54,8 @@ def check_vocabulary(model: ModelConfig, tokenizer_size: int) -> None:
 
 
 class DataSource:
-    """Datasets of the run (mock or .bin/.idx) and this data-parallel rank's micro-batches."""
+    """Datasets of the run (mock, .bin/.idx documents, or conversations) and this data-parallel
+    rank's micro-batches."""
 
     def __init__(self, config: RunConfig, mesh: Mesh):
         self.config, self.mesh = config, mesh
@@ -69,16 +70,39 @@ class DataSource:
             self.datasets = {split: MockGPTDataset(count, config.model.seq_length, config.model.vocab_size,
                                                    train.seed + (split == "valid"))
                              for split, count in samples.items()}
-            return
+        elif config.posttrain.sft:
+            self.datasets = self._conversations(samples)
+        else:
+            self.datasets = self._documents(samples)
+
+    def _documents(self, samples: dict[str, int]) -> dict:
+        """Pretraining: .bin/.idx documents cut into --seq-length samples."""
         from tessera.data.loader import build_train_valid_test_datasets
         from tessera.data.tokenizers import build_tokenizer
 
-        tokenizer = build_tokenizer(data, config.model.vocab_size)
+        config = self.config
+        tokenizer = build_tokenizer(config.data, config.model.vocab_size)
         check_vocabulary(config.model, tokenizer.vocab_size)
         train_set, valid_set, _ = build_in_turns(lambda: build_train_valid_test_datasets(  # index cache: built once
-            data, seq_length=config.model.seq_length, seed=train.seed, train_samples=samples["train"],
+            config.data, seq_length=config.model.seq_length, seed=config.train.seed, train_samples=samples["train"],
             valid_samples=samples["valid"], test_samples=0, tokenizer_eod=tokenizer.eod))
-        self.datasets = {"train": train_set, "valid": valid_set}
+        return {"train": train_set, "valid": valid_set}
+
+    def _conversations(self, samples: dict[str, int]) -> dict:
+        """--sft: conversations packed into --seq-length rows, loss on assistant tokens
+        (tessera.posttrain.sft_dataset)."""
+        from tessera.posttrain.sft_data import build_chat_tokenizer
+        from tessera.posttrain.sft_dataset import build_sft_datasets
+
+        config = self.config
+        tokenizer = build_chat_tokenizer(config.data, config.posttrain.sft_tokenizer_prompt_format,
+                                         config.model.vocab_size)
+        check_vocabulary(config.model, tokenizer.vocab_size)
+        train_set, valid_set = build_in_turns(lambda: build_sft_datasets(   # the packing cache: built once
+            config.data, config.posttrain, seq_length=config.model.seq_length, seed=config.train.seed,
+            train_samples=samples["train"], valid_samples=samples["valid"], vocab_size=config.model.vocab_size,
+            tokenizer=tokenizer))
+        return {"train": train_set, "valid": valid_set}
 
     def micro_batches(self, split: str, consumed_samples: int) -> Iterator[Batch]:
         from tessera.data.loader import build_data_loader

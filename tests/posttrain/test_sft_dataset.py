@@ -58,9 +58,9 @@ def byte_data(path, **flags) -> DataConfig:
     return DataConfig(tokenizer_type="ByteTokenizer", **{"data_path": [path], "split": "1", **flags})
 
 
-def build(data, posttrain=IDENTITY, *, seq_length=64, seed=1, train=8, valid=0, cp=1):
+def build(data, posttrain=IDENTITY, *, seq_length=64, seed=1, train=8, valid=0):
     return build_sft_datasets(data, posttrain, seq_length=seq_length, seed=seed, train_samples=train,
-                              valid_samples=valid, cp_size=cp)
+                              valid_samples=valid)
 
 
 def samples_equal(a, b) -> bool:
@@ -129,16 +129,6 @@ def test_split_cuts_the_conversations_into_train_then_valid(tmp_path):
         return sorted(tuple(dataset.conversation(int(i))[0].tolist()) for i in dataset.index["row_items"])
 
     assert held(train) == sorted(conversations[:boundary]) and held(valid) == sorted(conversations[boundary:])
-
-
-def test_context_parallel_rows_have_conversations_in_multiples_of_2cp(tmp_path):
-    data = byte_data(write_jsonl(tmp_path / "chats.jsonl", chat_rows(12)))
-    train, _ = build(data, cp=2)
-    for i in range(len(train)):
-        bounds = train[i]["cu_seqlens"].tolist()
-        assert all((b - a) % 4 == 0 for a, b in zip(bounds, bounds[1:]))
-    with pytest.raises(ConfigError, match="--seq-length 62 must be divisible by 2 x --context-parallel-size 2"):
-        build(data, seq_length=62, cp=2)
 
 
 def test_too_long_conversations_are_cut_and_dropped_when_no_answer_is_left(tmp_path):

@@ -50,7 +50,7 @@ def alone(ids: np.ndarray, mask: np.ndarray) -> tuple[list[int], list[int], list
 
 def test_a_row_is_its_conversations_as_documents_each_as_if_alone():
     a, b = conversation(10, 5, 2), conversation(20, 3, 1)
-    sample = pack_row([a, b], seq_length=12, multiple=1, pad=PAD)
+    sample = pack_row([a, b], seq_length=12, pad=PAD)
     assert sample["cu_seqlens"].tolist() == [0, 5, 8, 12]
     assert sample["position_ids"].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3]
     assert torch.equal(sample["labels"][:-1], sample["tokens"][1:])
@@ -67,14 +67,14 @@ def test_a_row_is_its_conversations_as_documents_each_as_if_alone():
 
 def test_an_answer_that_opens_a_conversation_is_not_learnt_from_the_one_before():
     first, second = conversation(10, 4, 0), conversation(20, 4, 0)   # every token an answer token
-    sample = pack_row([first, second], seq_length=8, multiple=1, pad=PAD)
+    sample = pack_row([first, second], seq_length=8, pad=PAD)
     assert sample["labels"][3] == 20 and sample["loss_mask"][3] == 0
     assert sample["loss_mask"].tolist() == [1, 1, 1, 0, 1, 1, 1, 0]
 
 
 def test_a_full_row_ends_on_a_label_of_its_last_conversation():
     a, b = conversation(10, 6, 3), conversation(20, 7, 1)   # 13 tokens: seq_length 12 + 1
-    sample = pack_row([a, b], seq_length=12, multiple=1, pad=PAD)
+    sample = pack_row([a, b], seq_length=12, pad=PAD)
     assert sample["cu_seqlens"].tolist() == [0, 6, 12]
     assert sample["labels"][-1] == 26 and sample["loss_mask"][-1] == 1
     assert PAD not in sample["tokens"].tolist() + sample["labels"].tolist()
@@ -82,31 +82,23 @@ def test_a_full_row_ends_on_a_label_of_its_last_conversation():
 
 def test_a_conversation_longer_than_a_row_is_cut_on_the_right_with_no_end_of_turn_added():
     ids, mask = conversation(100, 30, 4)
-    sample = pack_row([(ids, mask)], seq_length=12, multiple=1, pad=PAD)
+    sample = pack_row([(ids, mask)], seq_length=12, pad=PAD)
     assert sample["tokens"].tolist() == ids[:12].tolist() and sample["labels"].tolist() == ids[1:13].tolist()
     assert sample["loss_mask"].tolist() == mask[1:13].tolist()
     assert sample["cu_seqlens"].tolist() == [0, 12] and sample["position_ids"].tolist() == list(range(12))
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-def test_context_parallel_pads_each_conversation_to_a_multiple_of_2cp(cp):
-    multiple, seq_length = 2 * cp, 16 * cp   # room for three conversations of up to two multiples
+def test_context_parallel_splits_rows_of_conversations_of_any_length(cp):
+    """No padding for CP: the zigzag split cuts each conversation, whatever its length, and every
+    rank holds seq_length / CP tokens (so a row, and a run, is the same for any CP)."""
+    seq_length = 16 * cp
     rng = np.random.default_rng(cp)
-    conversations = [conversation(100 * i, int(n), 1) for i, n in enumerate(rng.integers(2, 2 * multiple, 3))]
-    sample = pack_row(conversations, seq_length, multiple, pad=PAD)
+    conversations = [conversation(100 * i, int(n), 1) for i, n in enumerate(rng.integers(3, 4 * cp, 3))]
+    sample = pack_row(conversations, seq_length, pad=PAD)
     bounds = sample["cu_seqlens"].tolist()
-    assert all((b - a) % multiple == 0 for a, b in zip(bounds, bounds[1:]))
-    ZigzagSplit.of_cu_seqlens(bounds, seq_length, cp)   # the split takes them
-    for (ids, mask), start in zip(conversations, bounds):
-        span = -(-len(ids) // multiple) * multiple
-        inputs, labels, loss_mask = alone(ids, mask)
-        end = start + len(ids) - 1
-        assert sample["tokens"][start:end].tolist() == inputs and sample["loss_mask"][start:end].tolist() == loss_mask
-        assert sample["position_ids"][start:start + span].tolist() == list(range(span))   # padding stays inside
-        assert sample["tokens"][end + 1:start + span].tolist() == [PAD] * (span - len(ids))
-        assert not sample["loss_mask"][end:start + span].any()
-    # A conversation of a whole row (seq_length + 1) is cut to seq_length: the padded capacity.
-    ids, mask = conversation(0, seq_length + 1, 1)
-    sample = pack_row([(ids, mask)], seq_length, multiple, pad=PAD)
-    assert sample["cu_seqlens"].tolist() == [0, seq_length] and sample["labels"][-1] == PAD
-    assert sample["loss_mask"][-1] == 0 and sample["loss_mask"][:-1].tolist() == mask[1:seq_length].tolist()
+    assert any((b - a) % (2 * cp) for a, b in zip(bounds, bounds[1:]))   # lengths 2 x CP does not divide
+    split = ZigzagSplit.of_cu_seqlens(bounds, seq_length, cp)
+    pieces = [split.split(sample["tokens"][None], rank)[0] for rank in range(cp)]
+    assert all(len(piece) == seq_length // cp for piece in pieces)
+    assert sorted(torch.cat(pieces).tolist()) == sorted(sample["tokens"].tolist())
