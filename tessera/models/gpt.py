@@ -119,9 +119,10 @@ class GPTModel(nn.Module):
             spec = ShardSpec((self.vocab_size, config.hidden_size), 0, None, tp_rank, self.tp_size)
             self.output_weight = annotate(
                 nn.Parameter(torch.empty(self.vocab_size // self.tp_size, config.hidden_size)), spec, init_std=std)
-        # Full recompute must replay the per-rank stream when a recomputed layer draws from it.
+        # Full recompute must replay the per-rank stream when a recomputed layer draws from it (LoRA's
+        # dropout on split inputs too: tessera.posttrain.lora sets it then).
         uses_rng = config.attention_dropout > 0 or (sp and config.hidden_dropout > 0)
-        self._recompute_rng = self.dropout_rng if uses_rng else None
+        self.recompute_rng = self.dropout_rng if uses_rng else None
         self.tp_comm_overlap = tp_comm_overlap and sp
         self._overlapped_gather = eager(all_gather_matmul) if self.tp_comm_overlap else None   # the output layer's
         if self.tp_comm_overlap:
@@ -158,7 +159,7 @@ class GPTModel(nn.Module):
                     h = layer(h, rope, documents)
                 return h
             if recomputed and self.training:
-                hidden = checkpoint(run, hidden, rng=self._recompute_rng, replay=self._routers_paused)
+                hidden = checkpoint(run, hidden, rng=self.recompute_rng, replay=self._routers_paused)
             else:
                 hidden = run(hidden)
         return hidden
@@ -266,11 +267,17 @@ def initialize_parameters(model: nn.Module, seed: int) -> None:
     so the same seed gives the same full model for any parallel layout.
     """
     for name, param in model.named_parameters():
-        spec = getattr(param, "shard_spec", ShardSpec(tuple(param.shape)))
-        std = getattr(param, "init_std", None)
-        if std is None:
-            full = torch.full(spec.full_shape, getattr(param, "init_value", 0.0), device=param.device)
-        else:
-            generator = torch.Generator(device=param.device).manual_seed(_parameter_seed(seed, name))
-            full = torch.empty(spec.full_shape, device=param.device).normal_(0.0, std, generator=generator)
-        param.copy_(spec.shard(full))
+        initialize_parameter(param, name, seed)
+
+
+@torch.no_grad()
+def initialize_parameter(param: nn.Parameter, name: str, seed: int) -> None:
+    """One parameter of initialize_parameters (`name`: its name in the whole model)."""
+    spec = getattr(param, "shard_spec", ShardSpec(tuple(param.shape)))
+    std = getattr(param, "init_std", None)
+    if std is None:
+        full = torch.full(spec.full_shape, getattr(param, "init_value", 0.0), device=param.device)
+    else:
+        generator = torch.Generator(device=param.device).manual_seed(_parameter_seed(seed, name))
+        full = torch.empty(spec.full_shape, device=param.device).normal_(0.0, std, generator=generator)
+    param.copy_(spec.shard(full))

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.config import ModelConfig
+from tessera.config import ConfigError, ModelConfig
 from tessera.kernels.fp8 import Fp8Recipe
 from tessera.kernels.fp8_grouped import fp8_grouped_linear, padded_groups
 from tessera.kernels.gelu import gelu
@@ -103,21 +103,31 @@ class GroupedExperts(nn.Module):
         self.fc2 = annotate(nn.Parameter(torch.empty(local, hidden, ffn // etp_size)), fc2_spec,
                             init_std=output_std, is_expert=True)
         self.fp8: Fp8Recipe | None = None   # set by --fp8-experts (tessera.training.fp8)
+        # LoRA adapters of fc1 and fc2 (tessera.posttrain.lora): `adapter(x, y, gemm)` adds the update of
+        # the rows x to the GEMM's output y, through the same grouped GEMM.
+        self.fc1_adapter = self.fc2_adapter = None
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """Rows x [N, hidden] grouped by expert (`tokens_per_expert` of them each), weighted by probs [N]."""
         dtype = x.dtype
         fc1, fc2 = self.fc1.to(dtype), self.fc2.to(dtype)
         if self.fp8 is not None:
+            if self.fc1_adapter is not None or self.fc2_adapter is not None:
+                raise ConfigError("--fp8-experts does not combine with LoRA adapters on the experts "
+                                  "(--lora-target-modules, --lora-exclude-modules)")
             return self._fp8_forward(x, tokens_per_expert, probs, fc1, fc2)
         if self.grouped_gemm and grouped_mm_available(x.device.type, dtype):
             bounds = F.pad(torch.cumsum(tokens_per_expert, 0), (1, 0)).to(torch.int32)
-            hidden = self._weighted_activation(grouped_linear(x, fc1, bounds), probs)
-            return grouped_linear(hidden, fc2, bounds)
-        sizes = tokens_per_expert.tolist()   # a host sync: the loop needs the sizes
-        outputs = [F.linear(self._weighted_activation(F.linear(rows, fc1[expert]), weights), fc2[expert])
-                   for expert, (rows, weights) in enumerate(zip(x.split(sizes), probs.split(sizes)))]
-        return torch.cat(outputs)
+
+            def gemm(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+                return grouped_linear(rows, weight, bounds)
+        else:
+            sizes = tokens_per_expert.tolist()   # a host sync: the loop needs the sizes
+
+            def gemm(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+                return torch.cat([F.linear(group, w) for group, w in zip(rows.split(sizes), weight)])
+        hidden = self._weighted_activation(_adapted(gemm, x, fc1, self.fc1_adapter), probs)
+        return _adapted(gemm, hidden, fc2, self.fc2_adapter)
 
     def _fp8_forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor,
                      fc1: torch.Tensor, fc2: torch.Tensor) -> torch.Tensor:
@@ -136,6 +146,11 @@ class GroupedExperts(nn.Module):
             return weighted_swiglu(hidden, probs)
         out = gelu(hidden.float(), tanh=self.openai_gelu) * probs.unsqueeze(-1)
         return out.to(hidden.dtype)
+
+
+def _adapted(gemm, x: torch.Tensor, weight: torch.Tensor, adapter) -> torch.Tensor:
+    y = gemm(x, weight)
+    return y if adapter is None else adapter(x, y, gemm)
 
 
 class _AttachAuxLoss(torch.autograd.Function):

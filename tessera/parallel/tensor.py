@@ -17,6 +17,10 @@ Each layer stores only its shard and records how it is cut from the full weight
 (tessera.parallel.sharding.ShardSpec). With `tp_group=None` (TP=1) every layer is
 exactly nn.Linear / nn.Embedding and no collective runs.
 
+The linear layers have an `adapter` slot (None unless fine-tuning with LoRA,
+tessera.posttrain.lora): a module called as `adapter(x, y)` on the layer's input (its own shard
+of it) and output, which returns the output with the adapter's update added.
+
 Activations are [batch, seq, hidden]; the sequence dimension is 1.
 """
 
@@ -179,6 +183,7 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.fp8 = None   # an Fp8Linear when training in FP8 (tessera.training.fp8): the GEMM in place of `linear`
+        self.adapter = None   # a LoRA adapter (tessera.posttrain.lora)
 
     comm_overlap = _overlap_switch(all_gather_matmul)
 
@@ -187,6 +192,8 @@ class ColumnParallelLinear(nn.Module):
         bias = None if self.bias is None else sum_replica_grads(self.bias, self.bias_spec, self.tp_group)
         y = column_parallel_linear(x, weight, bias, self.tp_group, sequence_parallel=self.sequence_parallel,
                                    overlapped_gather=self._overlapped, matmul=self.fp8 or linear)
+        if self.adapter is not None:
+            y = self.adapter(x, y)
         return gather_from_tp_region(y, self.tp_group) if self.gather_output else y
 
 
@@ -221,6 +228,7 @@ class RowParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.fp8 = None   # as ColumnParallelLinear's
+        self.adapter = None   # as ColumnParallelLinear's; it sees act(x), so the activation is not fused then
 
     comm_overlap = _overlap_switch(matmul_reduce_scatter)
 
@@ -235,8 +243,10 @@ class RowParallelLinear(nn.Module):
             x = scatter_to_tp_region(x, self.tp_group)
         if self._overlapped is not None:
             y = self._overlapped(x, self.weight, self.tp_group)
-            return y if self.bias is None else y + self.bias
-        return self._reduce((self.fp8 or linear)(x, self.weight))
+            y = y if self.bias is None else y + self.bias
+        else:
+            y = self._reduce((self.fp8 or linear)(x, self.weight))
+        return y if self.adapter is None else self.adapter(x, y)
 
     def _reduce(self, y: torch.Tensor) -> torch.Tensor:
         """The partial sums over ranks, then the bias."""
@@ -248,9 +258,9 @@ class RowParallelLinear(nn.Module):
 
     def _fuses_activation(self, x: torch.Tensor) -> bool:
         """Fused where the kernels run and an autograd backward follows; FP8 and the overlapped
-        reduce-scatter have GEMMs of their own."""
+        reduce-scatter have GEMMs of their own, and an adapter needs act(x) itself."""
         return (on_triton(x) and torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-                and self.input_is_parallel and self.fp8 is None and not self.comm_overlap)
+                and self.input_is_parallel and self.fp8 is None and not self.comm_overlap and self.adapter is None)
 
 
 def enable_comm_overlap(model: nn.Module) -> None:
