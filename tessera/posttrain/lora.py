@@ -158,7 +158,7 @@ def _attach(site: Site, rank: int, scale: float, dropout_p: float, rng: DropoutR
     else:
         adapter = ExpertsLoRA(getattr(site.module, site.weight), rank, scale, dropout_p, rng, site.path)
     setattr(site.module, _adapter_slot(site), adapter)
-    return adapter
+    return adapter.train(site.module.training)   # dropout on only when the model trains
 
 
 def apply_lora(model: nn.Module, posttrain: PostTrainConfig, seed: int) -> list[str]:

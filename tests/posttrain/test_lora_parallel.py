@@ -3,7 +3,8 @@
 Every rank builds the single-process LoRA model (TP=1) and the TP=2 one from the same seed, with
 the same random B's (the step-0 B = 0 would leave A's gradient zero and hide a wrong cut of A), and
 compares the loss, the logits and every adapter's full gradient; then merges both and compares
-the merged logits with the unmerged. Adapters go on every column-parallel (qkv, fc1) and
+the merged logits with the unmerged. A PEFT adapter written by the single-process model imports
+onto the TP=2 shards. Adapters go on every column-parallel (qkv, fc1) and
 row-parallel (proj, fc2) layer. Tolerance as tests/dist/test_tensor_parallel.py's for a whole model
 (relative 1e-5 in fp32: TP sums the same products in another order); the full A drawn at TP=2 must
 equal TP=1's exactly, the shards being cut from the same full tensor.
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 from tessera.config import ModelConfig, ParallelConfig
 from tessera.config.posttrain import PostTrainConfig
+from tessera.interop.hf_peft import export_peft, import_peft
 from tessera.models.gpt import GPTModel, Recompute, initialize_parameters
 from tessera.models.presets import PRESETS
 from tessera.parallel.mesh import Mesh
@@ -113,19 +115,35 @@ def _dropout_replayed(group) -> dict:
     return {"recomputed masks": float(not all(torch.equal(a, b) for a, b in zip(*grads)))}
 
 
-def _run_all() -> dict:
+def _peft_import(group, directory: str) -> dict:
+    """A PEFT adapter exported from the single-process model imports onto each rank's shards."""
+    config = ModelConfig(**PRESETS["tiny-llama"])
+    tokens = torch.randint(0, config.vocab_size, (2, config.seq_length), generator=torch.Generator().manual_seed(7))
+    reference = _lora_model(config).eval()
+    randomize_adapters(reference, seed=9)
+    path = f"{directory}/rank{dist.get_rank()}"
+    export_peft(reference, path)
+    model = GPTModel(config, tp_group=group, sequence_parallel=True).eval()
+    initialize_parameters(model, seed=5)
+    import_peft(model, path)
+    with torch.no_grad():
+        return {"logits": _error(model(tokens), reference(tokens))}
+
+
+def _run_all(directory: str) -> dict:
     group = Mesh.build(ParallelConfig(tensor_model_parallel_size=2), "cpu").tp_group
     results = {name: _case(group, *case) for name, case in CASES.items()}
     results["SP dropout, full recompute"] = _dropout_replayed(group)
+    results["PEFT adapter imported at TP=2 SP"] = _peft_import(group, directory)
     return results
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_distributed(_run_all, 2)
+def results(tmp_path_factory):
+    return run_distributed(_run_all, 2, str(tmp_path_factory.mktemp("peft")))
 
 
-@pytest.mark.parametrize("name", [*CASES, "SP dropout, full recompute"])
+@pytest.mark.parametrize("name", [*CASES, "SP dropout, full recompute", "PEFT adapter imported at TP=2 SP"])
 def test_lora_matches_single_process(results, name):
     for rank, result in enumerate(results):
         for quantity, error in result[name].items():
