@@ -48,6 +48,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import default_collate
 
+from tessera.posttrain.lora import adapters_off
+
 Batch = dict[str, torch.Tensor]
 # What the trainer supplies to run a model on a micro-batch already on the device (its autocast,
 # position ids, packed documents): the per-token losses [rows, seq], -log p(label).
@@ -190,10 +192,9 @@ def frozen_reference(model: nn.Module, run_model: RunModel) -> ModelReference:
     return ModelReference(copy.deepcopy(model).requires_grad_(False), run_model)
 
 
-def adapters_off_reference(model: nn.Module, run_model: RunModel,
-                           adapters_off: Callable[[nn.Module], ContextManager]) -> ModelReference:
-    """With LoRA the initial model is the policy with its adapters switched off (`adapters_off`,
-    tessera.posttrain.lora): no copy."""
+def adapters_off_reference(model: nn.Module, run_model: RunModel) -> ModelReference:
+    """With LoRA the initial model is the policy with its adapters switched off
+    (tessera.posttrain.lora.adapters_off): no copy."""
     return ModelReference(model, run_model, adapters_off)
 
 

@@ -89,7 +89,7 @@ class PreferenceEncoder:
             raise ConversationError(f'"{key}" has no assistant turn: nothing to prefer')
         ids, mask = self._tokenize(prompt + answer, key)
         mask[:context] = 0
-        if not trained_after_truncation(mask, self.seq_length, 1):
+        if not trained_after_truncation(mask, self.seq_length):
             raise ConversationError(
                 f'the prompt leaves no token of the {key} answer within --seq-length {self.seq_length} (its '
                 f'answer starts at token {int(np.argmax(mask))}): shorten the prompt or raise --seq-length')
@@ -157,7 +157,7 @@ class PreferenceDataset(Dataset):
         pair, side = divmod(index, 2)
         part = int(np.searchsorted(self.offsets, pair, side="right")) - 1
         source, first, _ = self.parts[part]
-        sample = pack_row([source.get(2 * (first + pair - int(self.offsets[part])) + side)], self.seq_length, 1,
+        sample = pack_row([source.get(2 * (first + pair - int(self.offsets[part])) + side)], self.seq_length,
                           self.pad)
         del sample["cu_seqlens"]   # one sequence per row: plain causal attention, the padding after it
         return sample

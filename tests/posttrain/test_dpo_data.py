@@ -17,9 +17,11 @@ from tessera.config import ConfigError, DataConfig, ModelConfig, PostTrainConfig
 from tessera.models.gpt import GPTModel, initialize_parameters
 from tessera.models.presets import preset_values
 from tessera.posttrain.dpo import (
-    REFERENCE_KEY, ModelReference, PrecomputedReference, frozen_reference, precompute_reference_log_probs,
+    REFERENCE_KEY, ModelReference, PrecomputedReference, adapters_off_reference, frozen_reference,
+    precompute_reference_log_probs,
 )
 from tessera.posttrain.dpo_data import build_dpo_datasets
+from tessera.posttrain.lora import apply_lora
 
 EOD = 256
 PAIRS = [{"prompt": "2+2=", "chosen": "4", "rejected": "five"},
@@ -154,3 +156,20 @@ def test_frozen_copy_and_precomputed_pass_give_the_same_reference(tmp_path):
         assert not torch.allclose(ModelReference(policy, run_model).log_probs(batch), frozen.log_probs(batch))
     with pytest.raises(ValueError, match="6 reference log-probs expected"):
         train.attach_reference_log_probs(values[:4])
+
+
+def test_lora_reference_is_the_base_model(tmp_path):
+    train, _ = datasets(write_jsonl(tmp_path / "pairs.jsonl", PAIRS), train_samples=6)
+    batch = default_collate([train.row(i) for i in range(train.num_rows)])
+    policy = tiny_model()
+    base = frozen_reference(policy, run_model).log_probs(batch)
+    apply_lora(policy, PostTrainConfig(lora_rank=4, lora_dropout=0.5), seed=0)
+    with torch.no_grad():   # B starts at zero: make the adapters change the model
+        for name, parameter in policy.named_parameters():
+            if name.endswith("lora_B"):
+                parameter.normal_(std=0.5)
+    policy.train()
+    torch.testing.assert_close(adapters_off_reference(policy, run_model).log_probs(batch), base, rtol=1e-6,
+                               atol=1e-5)
+    assert policy.training   # back in training mode, adapters on again
+    assert not torch.allclose(ModelReference(policy, run_model).log_probs(batch), base)
