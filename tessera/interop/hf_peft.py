@@ -90,8 +90,7 @@ def _hf_pieces(path: str, config: ModelConfig, family: str) -> list[tuple[str, i
 
 def _layer_path(name: str) -> tuple[str, str]:
     """(adapted layer's path, lora_A or lora_B) of an adapter parameter's name."""
-    slot, which = name.rsplit(".", 2)[-2:]
-    layer = name[:-len(slot) - len(which) - 2]
+    layer, slot, which = name.rsplit(".", 2)   # e.g. layers.0.attention.qkv, adapter; layers.1.mlp.experts, fc1_adapter
     return (layer if slot == "adapter" else f"{layer}.{slot.removesuffix('_adapter')}"), which
 
 

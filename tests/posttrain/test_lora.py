@@ -18,12 +18,14 @@ from torch import nn
 
 from tessera.config import ConfigError, ModelConfig
 from tessera.config.posttrain import PostTrainConfig
+from tessera.kernels.fp8 import Fp8Recipe
 from tessera.models.gpt import GPTModel, Recompute, initialize_parameters
 from tessera.models.mlp import MLP
 from tessera.models.moe import GroupedExperts
 from tessera.models.presets import PRESETS
 from tessera.parallel.experts import ExpertGroups
 from tessera.posttrain.lora import adapter_state, adapters, adapters_off, apply_lora, merge_lora
+from tessera.training import fp8
 from tests.conftest import fused_as_on_gpus
 
 LORA = PostTrainConfig(lora_rank=4, lora_alpha=8)
@@ -215,6 +217,33 @@ def test_full_recompute_compiled_block_and_bf16_autocast():
     with torch.no_grad():
         fp32 = model(tokens)
     assert bf16.dtype == torch.bfloat16 and _error(bf16.float(), fp32) <= 2e-2
+
+
+def test_fp8_gemms_of_the_base_beside_unquantised_adapters():
+    """--fp8-format puts the base's GEMMs in FP8 (tessera.training.fp8); the adapters stay in the
+    model's dtype beside them: B = 0 gives the FP8 base exactly, and an FP8 layer's update and its
+    adapter's gradients are the unquantised reference's."""
+    model = _model("tiny-llama")
+    tokens = _tokens(model)
+    apply_lora(model, LORA, seed=1)
+    fp8.apply_fp8(model.layers.items(), Fp8Recipe(recipe="tensorwise"), set(), tokens.numel())
+    with torch.no_grad():
+        base = model(tokens)
+        with adapters_off(model):
+            assert torch.equal(model(tokens), base)
+    randomize_adapters(model, seed=3)
+    layer = model.layers[0].mlp.fc1
+    x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad(), adapters_off(model):
+        y_base = layer(x)
+    y = layer(x)
+    a, b = (p.detach().clone().requires_grad_() for p in (layer.adapter.lora_A, layer.adapter.lora_B))
+    update = 2.0 * x @ a.T @ b.T
+    assert layer.fp8 is not None and _error(y - y_base, update) <= 1e-6
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(5))
+    (y * g).sum().backward()
+    (update * g).sum().backward()
+    assert _error(layer.adapter.lora_A.grad, a.grad) <= 1e-6 and _error(layer.adapter.lora_B.grad, b.grad) <= 1e-6
 
 
 def test_refusals_are_one_line():
