@@ -9,6 +9,7 @@ relative; the step-0 model, the switched-off adapters and recomputation are exac
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import zlib
 
 import pytest
@@ -256,3 +257,8 @@ def test_refusals_are_one_line():
     model.layers[1].mlp.experts.fp8 = object()   # as --fp8-experts sets it
     with pytest.raises(ConfigError, match="--fp8-experts"):
         model(_tokens(model))
+    cut = _model("tiny-moe")   # experts cut by --expert-tensor-parallel-size 2, as rank 0 holds them
+    experts = cut.layers[1].mlp.experts
+    experts.fc1.shard_spec = dataclasses.replace(experts.fc1.shard_spec, size=2)
+    with pytest.raises(ConfigError, match="layers.1.mlp.experts.fc1 is cut by --expert-tensor-parallel-size 2"):
+        apply_lora(cut, LORA, seed=1)
