@@ -117,7 +117,9 @@ def training_state(trainer) -> dict[str, Any]:
     # saved (each rank its slices): adding the bf16 copy would put two versions of the same
     # block in the plan, and DCP keeps one of them.
     masters = master_weights(trainer.optimizer)
-    state: dict[str, Any] = master_state(trainer.model, masters) if masters else model_state(trainer.model)
+    # A frozen base (LoRA) is not saved again: it is --pretrained-checkpoint's.
+    state: dict[str, Any] = master_state(trainer.model, masters) if masters else \
+        model_state(trainer.model, frozen=not trainer.config.posttrain.lora)
     state.update(optimizer_state(trainer.model, trainer.optimizer))
     state.update(fp8_scaling_state(trainer.model))   # FP8 delayed scaling's amax histories and scales
     state["train_state"] = {
@@ -285,10 +287,14 @@ class Checkpointer:
 
     def load(self, trainer) -> None:
         """Resume from the newest readable checkpoint in --load; with none there, start from the
-        weights of --pretrained-checkpoint, or from scratch."""
+        weights of --pretrained-checkpoint, or from scratch. Under LoRA the base is always
+        --pretrained-checkpoint's (checkpoints hold the adapters), and loads first."""
+        lora = self.config.posttrain.lora
+        if lora and self.options.pretrained_checkpoint is not None:
+            self._load_pretrained(trainer)
         if self.options.load is not None and self._resume(trainer):
             return
-        if self.options.pretrained_checkpoint is not None:
+        if not lora and self.options.pretrained_checkpoint is not None:
             self._load_pretrained(trainer)
 
     def _load_pretrained(self, trainer) -> None:
@@ -303,6 +309,21 @@ class Checkpointer:
         else:
             self._load_from(newest_checkpoint(path, "--pretrained-checkpoint"), trainer, weights_only=True)
         log_info(f"starting from the weights of --pretrained-checkpoint {path}")
+
+    def _model_state_in(self, model, metadata: dict, directory: Path) -> dict[str, Any]:
+        """What of the model `directory` holds: all of it; a base model (no LoRA adapters in it,
+        they start fresh); or, under LoRA, the adapters (the base was loaded from
+        --pretrained-checkpoint)."""
+        from tessera.posttrain.lora import is_adapter_parameter
+
+        state = model_state(model)
+        frozen = {f"model.{name}" for name, param in model.named_parameters() if not param.requires_grad}
+        if any(key in frozen and key not in metadata for key in state) and \
+                self.options.pretrained_checkpoint is None:
+            raise ConfigError(f"{directory} holds LoRA adapters without their base model: give the base with "
+                              "--pretrained-checkpoint")
+        return {key: value for key, value in state.items()
+                if key in metadata or not (key in frozen or is_adapter_parameter(key))}
 
     def _resume(self, trainer) -> bool:
         """Load the newest readable checkpoint in --load; False when it holds none."""
@@ -344,7 +365,7 @@ class Checkpointer:
                               + "\n  ".join(differences))
         metadata = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
         weights_only = weights_only or self.options.finetune or "train_state" not in metadata
-        state: dict[str, Any] = model_state(trainer.model)
+        state: dict[str, Any] = self._model_state_in(trainer.model, metadata, directory)
         if not (weights_only or self.options.no_load_optim):
             state.update(optimizer_state(trainer.model, trainer.optimizer, create=True))
         _check_tensors(state, metadata, directory)
@@ -362,9 +383,9 @@ class Checkpointer:
         trainer.optimizer.cast_fp8_shards()   # FSDP2's E4M3 shards, from the weights just loaded
         masters = master_weights(trainer.optimizer)
         if masters:  # fp32 masters read from the same (fp32) weights, not from the bf16 copy
-            with single_process_ok():
-                dcp.load(master_state(trainer.model, masters), storage_reader=dcp.FileSystemReader(directory),
-                         planner=LoadPlanner())
+            stored = {key: value for key, value in master_state(trainer.model, masters).items() if key in metadata}
+            with single_process_ok():   # (a base model's checkpoint has no LoRA adapters: theirs stay)
+                dcp.load(stored, storage_reader=dcp.FileSystemReader(directory), planner=LoadPlanner())
             trainer.optimizer.inner.store_master_weights(masters)
         if weights_only:
             return

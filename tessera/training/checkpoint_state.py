@@ -165,10 +165,11 @@ def _local_blocks(param: nn.Parameter, tensor: torch.Tensor) -> list[Block]:
     return _to_full(spec, tensor, (0,) * tensor.ndim)
 
 
-def model_state(model: nn.Module) -> dict[str, Chunked]:
-    """Every parameter, and every persistent buffer (a MoE router's expert bias; the same on all ranks)."""
+def model_state(model: nn.Module, *, frozen: bool = True) -> dict[str, Chunked]:
+    """Every parameter (but those that do not train, with `frozen=False`: LoRA's base), and every
+    persistent buffer (a MoE router's expert bias; the same on all ranks)."""
     state = {f"model.{_name(name)}": Chunked(_spec(param).full_shape, _local_blocks(param, param.data))
-             for name, param in model.named_parameters()}
+             for name, param in model.named_parameters() if frozen or param.requires_grad}
     for name, buffer in persistent_buffers(model).items():
         state[f"model.{name}"] = whole(buffer)
     return state
@@ -250,7 +251,7 @@ def optimizer_state(model: nn.Module, optimizer, *, create: bool = False) -> dic
                     add(kind, param, [b for view, origin in _flat_range_rectangles(flat, offset, shape)
                                       for b in _to_full(_spec(param), view, origin)])
     else:
-        for param in names:
+        for param in (p for p in names if p.requires_grad):   # a frozen base (LoRA) has no moments
             state = _adam_state(inner, param, create)
             for kind in ("exp_avg", "exp_avg_sq"):
                 if kind in state:

@@ -105,6 +105,10 @@ class Trainer:
                                   tp_comm_overlap=parallel.tp_comm_overlap, recompute=recompute,
                                   expert_groups=expert_groups, context_parallel=self.context_parallel, **stage)
         initialize_parameters(self.model, train.seed)
+        if config.posttrain.lora:   # adapters on the frozen base, before FP8, compile, FSDP2 and the optimizer
+            from tessera.posttrain.lora import apply_lora
+
+            apply_lora(self.model, config.posttrain, train.seed)
         self.fp8_layers = self._apply_fp8()
         self.moe = MoEBalance(self.model, self.mesh, num_micro_batches=config.num_micro_batches,
                               bias_update_rate=config.model.moe_router_bias_update_rate,

@@ -1,4 +1,4 @@
-"""--sft under parallel layouts: packed conversations, the loss on assistant tokens only, the same
+"""--sft (and LoRA) under parallel layouts: packed conversations, the loss on assistant tokens only, the same
 losses every step and the same weights after as one process (data, tensor + sequence, pipeline and
 context parallelism; tolerances of tests/dist/equivalence.py)."""
 
@@ -45,5 +45,23 @@ def data(tmp_path_factory) -> list[str]:
 def test_sft_layouts_match_one_process(data):
     reference = train(data)
     results = run_distributed(train_layouts, 2, data, LAYOUTS)[0]
+    for name, result in results.items():
+        assert_equivalent(reference, result, name)
+
+
+LORA = ["--lora-rank", "4", "--lora-alpha", "8"]
+LORA_LAYOUTS = {
+    "LoRA DP=2 distributed optimizer": LORA + ["--use-distributed-optimizer"],
+    "LoRA DP=2 FSDP2": LORA + ["--use-torch-fsdp2"],
+    "LoRA TP=2 + SP": LORA + ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    "LoRA PP=2": LORA + ["--pipeline-model-parallel-size", "2"],
+}
+
+
+def test_lora_sft_layouts_match_one_process(data):
+    """Adapters on a frozen base: the same under data (its optimizers and FSDP2), tensor + sequence
+    and pipeline parallelism."""
+    reference = train(data + LORA)
+    results = run_distributed(train_layouts, 2, data, LORA_LAYOUTS)[0]
     for name, result in results.items():
         assert_equivalent(reference, result, name)
