@@ -31,6 +31,9 @@ def _parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                        help="weights dtype (default: the imported model's, else float32)")
     to_hf.add_argument("--max-shard-size-gb", type=float, default=5.0, help="largest safetensors file [5]")
+    to_hf.add_argument("--peft-adapter", metavar="ADAPTER_DIR",
+                       help="a LoRA checkpoint: write its base to --output and its adapters here as a PEFT adapter "
+                       "(without it, --output gets the model with the adapters merged)")
     return parser
 
 
@@ -45,8 +48,9 @@ def main(argv: list[str]) -> int:
             written = ""
         else:
             tokenizer = tessera_to_hf(args.input, args.output, family=args.model_type, dtype=args.dtype,
-                                      max_shard_bytes=int(args.max_shard_size_gb * 2**30))
-            written = f" with {tokenizer}"
+                                      max_shard_bytes=int(args.max_shard_size_gb * 2**30),
+                                      peft_adapter=args.peft_adapter)
+            written = f" with {tokenizer}" + (f", and the adapters to {args.peft_adapter}" if args.peft_adapter else "")
     except (FileNotFoundError, UnsupportedModel, ConfigError) as exc:
         fail(f"{PROG} {args.direction}", str(exc))
     print(f"{PROG}: wrote {args.output}{written}")

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from tessera.config import ModelConfig
+from tessera.config import ConfigError, ModelConfig
 from tessera.interop import hf_deepseek
 from tessera.interop.hf_config import UnsupportedModel, hf_config_from_model, infer_family, model_config_from_hf
 
@@ -350,19 +350,23 @@ def hf_to_tessera(hf_dir: str | os.PathLike, checkpoint_dir: str | os.PathLike, 
 
 
 def tessera_to_hf(checkpoint_dir: str | os.PathLike, hf_dir: str | os.PathLike, *, family: str | None = None,
-                  dtype: str | None = None, max_shard_bytes: int = 5 * 2**30) -> str:
+                  dtype: str | None = None, max_shard_bytes: int = 5 * 2**30,
+                  peft_adapter: str | os.PathLike | None = None) -> str:
     """Write the newest tessera checkpoint in `checkpoint_dir` as an HF model directory: config.json,
     safetensors, and the checkpoint's tokenizer as transformers loads it (tessera.interop.hf_tokenizer);
     what was written of the tokenizer, in words.
 
     The family defaults to the imported model's (or is inferred from the architecture); the
     dtype to the imported model's, else float32. The tokenizer's special ids go into config.json
-    where the imported config has none.
+    where the imported config has none. A LoRA checkpoint is written merged; with `peft_adapter`
+    its base is, and its adapters as a PEFT adapter directory there (tessera.interop.hf_peft).
     """
     from tessera.interop.hf_tokenizer import write_hf_tokenizer
     from tessera.training.checkpoint_files import load_model_checkpoint
 
-    saved = load_model_checkpoint(checkpoint_dir, extra_files=("hf_config.json",))
+    saved = load_model_checkpoint(checkpoint_dir, extra_files=("hf_config.json",), merge_lora=peft_adapter is None)
+    if peft_adapter is not None and not saved.adapters:
+        raise ConfigError(f"{checkpoint_dir}: --peft-adapter needs a LoRA checkpoint (trained with --lora-rank)")
     base = json.loads(saved.files["hf_config.json"]) if "hf_config.json" in saved.files else None
     family = family or (base or {}).get("model_type") or infer_family(saved.config)
     dtype = dtype or (base or {}).get("dtype") or (base or {}).get("torch_dtype") or "float32"
@@ -375,4 +379,11 @@ def tessera_to_hf(checkpoint_dir: str | os.PathLike, hf_dir: str | os.PathLike, 
     for name, token_id in special_ids.items():
         hf_config.setdefault(name, token_id)
     write_hf_dir(hf_dir, hf_config, tensors, max_shard_bytes)
+    if peft_adapter is not None:
+        from tessera.interop.hf_peft import write_peft_adapter
+        from tessera.posttrain.lora_checkpoint import lora_scale
+
+        write_peft_adapter(peft_adapter, saved.adapters, saved.config, scale=lora_scale(saved.run_config),
+                           dropout=saved.run_config["posttrain"]["lora_dropout"],
+                           base_model_name_or_path=str(Path(hf_dir).resolve()), family=family)
     return tokenizer

@@ -191,12 +191,16 @@ class Checkpointer:
 
     def _run_config(self) -> dict:
         """config.yaml's content: the run's configuration, its tokenizer paths naming the copies in
-        --save (made by rank 0 at the first save)."""
+        --save (made by rank 0 at the first save), and the paths of the model it started from made
+        absolute (LoRA's adapters are read with that base: tessera.posttrain.lora_checkpoint)."""
         if self._saved_config is None:
             config = self.config.to_dict()
             if self._copies_tokenizer:
                 paths = copy_tokenizer(self.config.data, Path(self.options.save)) if global_rank() == 0 else {}
                 config["data"].update(paths)
+            for name in ("pretrained_checkpoint", "load"):
+                if config["checkpoint"][name]:
+                    config["checkpoint"][name] = str(Path(config["checkpoint"][name]).resolve())
             self._saved_config = config
         return self._saved_config
 

@@ -169,10 +169,13 @@ class SavedModel:
     tensors: dict[str, torch.Tensor]   # full weights by parameter name
     run_config: dict[str, Any]         # config.yaml (saved_run_config: tokenizer paths resolved)
     files: dict[str, str]              # the extra files asked for that the checkpoint has
+    adapters: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)   # LoRA's, merged into `tensors`
 
 
-def load_model_checkpoint(root: str | os.PathLike, extra_files: tuple[str, ...] = ()) -> SavedModel:
-    """The newest checkpoint in `root`, read in one process."""
+def load_model_checkpoint(root: str | os.PathLike, extra_files: tuple[str, ...] = (), *,
+                          merge_lora: bool = True) -> SavedModel:
+    """The newest checkpoint in `root`, read in one process; a LoRA checkpoint's adapters with
+    their base, merged into it unless `merge_lora=False` (tessera.posttrain.lora_checkpoint)."""
     candidates = complete_checkpoints(root)
     if not candidates:
         raise FileNotFoundError(f"{root}: no complete tessera checkpoint")
@@ -184,4 +187,9 @@ def load_model_checkpoint(root: str | os.PathLike, extra_files: tuple[str, ...] 
         dcp.load(state, storage_reader=dcp.FileSystemReader(directory), planner=LoadPlanner())
     tensors = {key.removeprefix("model."): value.blocks[0][1] for key, value in state.items()}
     files = {name: (directory / name).read_text() for name in extra_files if (directory / name).is_file()}
-    return SavedModel(ModelConfig(**run_config["model"]), tensors, run_config, files)
+    saved = SavedModel(ModelConfig(**run_config["model"]), tensors, run_config, files)
+    if (run_config.get("posttrain") or {}).get("lora_rank"):   # adapters: read with their base, merged
+        from tessera.posttrain.lora_checkpoint import with_base
+
+        return with_base(saved, root, merge=merge_lora)
+    return saved
