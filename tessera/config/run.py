@@ -93,6 +93,8 @@ class RunConfig:
         require(not model.mtp_num_layers or parallel.context_parallel_size == 1,
                 "--mtp-num-layers with --context-parallel-size > 1 is not supported (the MTP depths' shifted "
                 "tokens cross the context-parallel split)")
+        require(not self.posttrain.dpo, "--dpo: the trainer does not run DPO yet (its loss, data and reference are "
+                "tessera.posttrain.dpo and dpo_data; docs/post-training.md)")
         self._check_experts()
         self._check_cuda_graph()
         if train.recompute_granularity == "full" and train.recompute_method == "uniform":
