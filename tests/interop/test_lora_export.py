@@ -8,6 +8,7 @@ import transformers
 from tessera.cli import run
 from tessera.cli.args import parse_run_config
 from tessera.training.trainer import Trainer
+from tests.hf_models import save_tiny_llama
 
 RUN = ["--mock-data", "--lr", "1e-2", "--micro-batch-size", "2", "--global-batch-size", "2", "--seq-length", "32",
        "--log-interval", "1000", "--num-workers", "0", "--hidden-dropout", "0", "--attention-dropout", "0"]
@@ -17,11 +18,7 @@ RUN = ["--mock-data", "--lr", "1e-2", "--micro-batch-size", "2", "--global-batch
 def lora_run(tmp_path_factory):
     """An HF Llama (GQA, SwiGLU) fine-tuned with LoRA for a few steps: (HF base, adapter checkpoint)."""
     root = tmp_path_factory.mktemp("lora")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      tie_word_embeddings=False)
-    transformers.LlamaForCausalLM(config).save_pretrained(root / "hf")
+    save_tiny_llama(root / "hf")
     flags = [*RUN, "--pretrained-checkpoint", str(root / "hf"), "--lora-rank", "4", "--lora-alpha", "8",
              "--train-iters", "4", "--save", str(root / "out")]
     trainer = Trainer(parse_run_config(flags, world_size=1)[0])

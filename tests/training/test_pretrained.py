@@ -8,6 +8,7 @@ import transformers
 from tessera.cli.args import parse_run_config
 from tessera.training.trainer import Trainer
 from tests.dist.launcher import run_distributed
+from tests.hf_models import save_tiny_llama
 
 RUN = ["--mock-data", "--lr", "1e-3", "--train-iters", "2", "--micro-batch-size", "2", "--global-batch-size", "2",
        "--log-interval", "1000", "--num-workers", "0", "--seq-length", "32", "--hidden-dropout", "0",
@@ -16,13 +17,7 @@ RUN = ["--mock-data", "--lr", "1e-3", "--train-iters", "2", "--micro-batch-size"
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("hf")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      rope_theta=10000.0, tie_word_embeddings=False)
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("hf"))
 
 
 def hf_logits(hf_dir, tokens):
