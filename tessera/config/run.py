@@ -93,8 +93,7 @@ class RunConfig:
         require(not model.mtp_num_layers or parallel.context_parallel_size == 1,
                 "--mtp-num-layers with --context-parallel-size > 1 is not supported (the MTP depths' shifted "
                 "tokens cross the context-parallel split)")
-        require(not self.posttrain.dpo, "--dpo: the trainer does not run DPO yet (its loss, data and reference are "
-                "tessera.posttrain.dpo and dpo_data; docs/post-training.md)")
+        self._check_dpo()
         self._check_experts()
         self._check_cuda_graph()
         if train.recompute_granularity == "full" and train.recompute_method == "uniform":
@@ -118,6 +117,18 @@ class RunConfig:
                 f"give --train-iters or --train-samples, not both (--train-samples {train.train_samples} is "
                 f"{iterations} iterations of {train.global_batch_size})")
         train.train_iters = iterations
+
+    def _check_dpo(self) -> None:
+        """What DPO's rows and reference ask of the layout (tessera.posttrain.dpo)."""
+        if not self.posttrain.dpo:
+            return
+        require(self.train.micro_batch_size % 2 == 0, "--dpo: --micro-batch-size counts rows, and a preference "
+                f"pair is two (chosen, rejected): give an even number (got {self.train.micro_batch_size})")
+        for name, size in (("--context-parallel-size", self.parallel.context_parallel_size),
+                           ("--pipeline-model-parallel-size", self.parallel.pipeline_model_parallel_size)):
+            require(size == 1, f"--dpo with {name} > 1 is not supported yet")
+        require(not self.model.mtp_num_layers, "--dpo with --mtp-num-layers is not supported (DPO scores the answers "
+                "with the LM head alone)")
 
     def _check_experts(self) -> None:
         parallel = self.parallel
@@ -147,8 +158,8 @@ class RunConfig:
                 "weights on the host's schedule)")
         require(not self.data.reset_attention_mask,
                 f"{flag} does not combine with --reset-attention-mask (document boundaries are read on the host)")
-        require(not self.posttrain.sft, f"{flag} does not combine with --sft (its conversations' boundaries are "
-                "read on the host)")
+        require(not (self.posttrain.sft or self.posttrain.dpo), f"{flag} does not combine with --sft or --dpo "
+                "(their rows' boundaries and reference are read on the host)")
         if model.num_experts:
             require(model.moe_grouped_gemm, f"{flag} with --num-experts needs --moe-grouped-gemm (the loop over "
                     "experts reads their token counts on the host)")

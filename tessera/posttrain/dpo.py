@@ -238,3 +238,24 @@ def precompute_reference_log_probs(dataset, reference: Reference, *, micro_batch
         rows = range(start, min(start + micro_batch_size, num_rows))
         values[rows.start:rows.stop] = reference.log_probs(batch)[:len(rows)].float()
     return _sum(values, dp_group).cpu()
+
+
+class PreferenceTerms:
+    """DPO as the trainer's objective, with the interface of tessera.training.losses.LossTerms:
+    the shares come normalised (by the global batch's pairs), so the normaliser is 1."""
+
+    def __init__(self, objective: DPOObjective, reference: Reference):
+        self.objective, self.reference = objective, reference
+
+    def begin(self) -> None:
+        self.objective.begin()
+
+    def normaliser(self, micro_batches: list[Batch]) -> torch.Tensor:
+        self.objective.set_global_batch([batch["loss_mask"] for batch in micro_batches])
+        return torch.ones((), device=self.objective.sums.device)
+
+    def micro_batch(self, losses: torch.Tensor, batch: Batch) -> torch.Tensor:
+        return self.objective.micro_batch(losses, batch["loss_mask"], self.reference.log_probs(batch))
+
+    def finish(self, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return self.objective.finish()

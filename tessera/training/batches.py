@@ -72,6 +72,8 @@ class DataSource:
                              for split, count in samples.items()}
         elif config.posttrain.sft:
             self.datasets = self._conversations(samples)
+        elif config.posttrain.dpo:
+            self.datasets = self._preference_pairs(samples)
         else:
             self.datasets = self._documents(samples)
 
@@ -91,18 +93,39 @@ class DataSource:
     def _conversations(self, samples: dict[str, int]) -> dict:
         """--sft: conversations packed into --seq-length rows, loss on assistant tokens
         (tessera.posttrain.sft_dataset)."""
-        from tessera.posttrain.sft_data import build_chat_tokenizer
         from tessera.posttrain.sft_dataset import build_sft_datasets
 
         config = self.config
-        tokenizer = build_chat_tokenizer(config.data, config.posttrain.sft_tokenizer_prompt_format,
-                                         config.model.vocab_size)
-        check_vocabulary(config.model, tokenizer.vocab_size)
+        tokenizer = self._chat_tokenizer()
         train_set, valid_set = build_in_turns(lambda: build_sft_datasets(   # the packing cache: built once
             config.data, config.posttrain, seq_length=config.model.seq_length, seed=config.train.seed,
             train_samples=samples["train"], valid_samples=samples["valid"], vocab_size=config.model.vocab_size,
             tokenizer=tokenizer))
         return {"train": train_set, "valid": valid_set}
+
+    def _preference_pairs(self, samples: dict[str, int]) -> dict:
+        """--dpo: each (prompt, chosen, rejected) row as a chosen and a rejected row of --seq-length
+        (tessera.posttrain.dpo_data); read by every rank, nothing cached."""
+        from tessera.posttrain.dpo_data import build_dpo_datasets
+
+        config = self.config
+        tokenizer = self._chat_tokenizer()
+        train_set, valid_set = build_dpo_datasets(
+            config.data, config.posttrain, seq_length=config.model.seq_length, seed=config.train.seed,
+            train_samples=samples["train"], valid_samples=samples["valid"], vocab_size=config.model.vocab_size,
+            tokenizer=tokenizer)
+        return {"train": train_set, "valid": valid_set}
+
+    def _chat_tokenizer(self):
+        """The tokenizer of --sft and --dpo: --tokenizer-model's, with its chat template (or the
+        identity prompt format), its vocabulary checked against the model's."""
+        from tessera.posttrain.sft_data import build_chat_tokenizer
+
+        config = self.config
+        tokenizer = build_chat_tokenizer(config.data, config.posttrain.sft_tokenizer_prompt_format,
+                                         config.model.vocab_size)
+        check_vocabulary(config.model, tokenizer.vocab_size)
+        return tokenizer
 
     def micro_batches(self, split: str, consumed_samples: int) -> Iterator[Batch]:
         from tessera.data.loader import build_data_loader

@@ -30,7 +30,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -289,17 +289,32 @@ class Checkpointer:
 
     # -- loading -------------------------------------------------------------------------
 
-    def load(self, trainer) -> None:
-        """Resume from the newest readable checkpoint in --load; with none there, start from the
-        weights of --pretrained-checkpoint, or from scratch. Under LoRA the base is always
-        --pretrained-checkpoint's (checkpoints hold the adapters), and loads first."""
-        lora = self.config.posttrain.lora
-        if lora and self.options.pretrained_checkpoint is not None:
+    def load(self, trainer, on_start_weights: Callable[[], None] | None = None) -> None:
+        """Resume from the newest readable checkpoint in --load; with none there (or with
+        --finetune), start from the weights of --pretrained-checkpoint or --load's, or from scratch.
+
+        Under LoRA the base is always --pretrained-checkpoint's (checkpoints hold the adapters) and
+        loads first. `on_start_weights` is called once the run's start weights are in the model,
+        before a resume replaces them (DPO's reference pass)."""
+        resuming = self._resuming()
+        pretrained = self.options.pretrained_checkpoint is not None
+        if pretrained and (self.config.posttrain.lora or on_start_weights is not None or not resuming):
             self._load_pretrained(trainer)
-        if self.options.load is not None and self._resume(trainer):
-            return
-        if not lora and self.options.pretrained_checkpoint is not None:
-            self._load_pretrained(trainer)
+        elif resuming and on_start_weights is not None:
+            raise ConfigError(f"resuming from --load {self.options.load} needs --pretrained-checkpoint: the run's "
+                              "start weights (DPO's reference) are not in its checkpoints")
+        if self.options.load is not None and not resuming:
+            self._resume(trainer)   # --finetune's weights, or none yet: says so
+        if on_start_weights is not None:
+            on_start_weights()
+        if resuming:
+            self._resume(trainer)
+
+    def _resuming(self) -> bool:
+        """Whether --load holds a checkpoint to resume (without --finetune, which starts over)."""
+        load = self.options.load
+        return load is not None and not self.options.finetune and Path(load).is_dir() and \
+            bool(complete_checkpoints(load, warn=lambda message: None))
 
     def _load_pretrained(self, trainer) -> None:
         """--pretrained-checkpoint's weights at iteration 0 (tessera.training.pretrained)."""

@@ -40,7 +40,6 @@ import torch
 import torch.distributed as dist
 
 from tessera.config import ModelConfig
-from tessera.models.documents import Documents
 from tessera.models.gpt import GPTModel
 from tessera.models.mtp import depth_loss_mask
 from tessera.models.router import LOSS_NAMES, loss_coefficients
@@ -68,11 +67,17 @@ class LossTerms:
     def begin(self) -> None:
         self.sums.zero_()
 
-    def micro_batch(self, losses: torch.Tensor, loss_mask: torch.Tensor, documents: Documents | None = None
-                    ) -> torch.Tensor:
+    def normaliser(self, micro_batches: list[dict]) -> torch.Tensor:
+        """What the step's (or an evaluation batch's) shares are divided by: the global batch's
+        unmasked tokens, summed over the data x context-parallel ranks."""
+        tokens = sum(batch["loss_mask"].sum() for batch in micro_batches).float()
+        return _sum(tokens, self.mesh.group("dp_cp")).clamp(min=1)
+
+    def micro_batch(self, losses: torch.Tensor, batch: dict) -> torch.Tensor:
         """A micro-batch's part of the objective, before the 1 / LM tokens scale: the masked sum
         of the LM's per-token losses [b, s], or of losses [1 + D, b, s] with the MTP depths'
         (GPTModel.head_with_mtp) weighted in."""
+        loss_mask, documents = batch["loss_mask"], batch.get("documents")
         if losses.ndim == 2:
             lm = masked_loss_sum(losses, loss_mask)
             self.sums[0] += lm.detach()

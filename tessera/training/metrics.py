@@ -60,7 +60,7 @@ class IterationStats:
     nan_iterations: int
     mem_gb: float
     moe: dict[str, float] = field(default_factory=dict)   # MoE losses and load imbalance, by name
-    mtp: dict[str, float] = field(default_factory=dict)   # each MTP depth's loss ("mtp_1 loss", ...), apart from the LM's
+    terms: dict[str, float] = field(default_factory=dict)   # MTP depths' losses ("mtp_1 loss"), DPO's rewards, ...
     flops_per_iteration: float | None = None   # when the data decides them (packed documents); else the writer's
     decoupled_lr: float | None = None   # --decoupled-lr's current rate
 
@@ -98,7 +98,7 @@ class MetricsWriter:
             "grad_norm": stats.grad_norm, "loss_scale": stats.loss_scale,
             "skipped_iterations": stats.skipped_iterations, "nan_iterations": stats.nan_iterations,
             "iteration_time_ms": stats.seconds_per_iteration * 1e3, **speed, "mem_gb": stats.mem_gb,
-            **{name.replace(" ", "_"): value for name, value in {**stats.mtp, **stats.moe}.items()},
+            **{name.replace(" ", "_"): value for name, value in {**stats.terms, **stats.moe}.items()},
         }
         remaining = (stats.train_iters - stats.iteration) * stats.seconds_per_iteration
         mfu = f"{speed['mfu'] * 100:.1f}%" if speed["mfu"] is not None else "n/a"
@@ -113,7 +113,7 @@ class MetricsWriter:
             *([] if stats.decoupled_lr is None else [f"decoupled learning rate: {stats.decoupled_lr:.6E}"]),
             f"global batch size: {self.global_batch_size:5d}",
             f"lm loss: {_or_skipped(stats.loss, '.6E')}",
-            *(f"{name}: {value:.6E}" for name, value in stats.mtp.items()),
+            *(f"{name}: {value:.6E}" for name, value in stats.terms.items()),
             *(f"{name}: {value:.6E}" if "imbalance" not in name else f"{name}: {value:.3f}"
               for name, value in stats.moe.items()),
             f"loss scale: {stats.loss_scale:.6g}",

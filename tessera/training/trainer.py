@@ -65,13 +65,13 @@ class StepResult:
     grad_norm: torch.Tensor | float
     skipped: torch.Tensor | bool
     moe: dict[str, torch.Tensor | float] = field(default_factory=dict)   # MoE losses and load, by name
-    mtp: dict[str, torch.Tensor | float] = field(default_factory=dict)   # each MTP depth's loss, by name
+    terms: dict[str, torch.Tensor | float] = field(default_factory=dict)   # MTP depths' losses, DPO's rewards, by name
 
     def resolve(self) -> "StepResult":
         loss, norm, skipped, *extra = torch.stack([self.loss, self.grad_norm, self.skipped.float(),
-                                                   *self.moe.values(), *self.mtp.values()]).tolist()
-        moe, mtp = extra[:len(self.moe)], extra[len(self.moe):]
-        return StepResult(loss, norm, bool(skipped), dict(zip(self.moe, moe)), dict(zip(self.mtp, mtp)))
+                                                   *self.moe.values(), *self.terms.values()]).tolist()
+        moe, terms = extra[:len(self.moe)], extra[len(self.moe):]
+        return StepResult(loss, norm, bool(skipped), dict(zip(self.moe, moe)), dict(zip(self.terms, terms)))
 
 
 def resolve_device(name: str) -> torch.device:
@@ -113,7 +113,7 @@ class Trainer:
         self.moe = MoEBalance(self.model, self.mesh, num_micro_batches=config.num_micro_batches,
                               bias_update_rate=config.model.moe_router_bias_update_rate,
                               per_layer=train.moe_per_layer_logging)
-        self.losses = LossTerms(config.model, self.mesh, self.device)
+        self.losses = self._objective()
         if train.compile if train.compile is not None else self.device.type == "cuda":
             if parallel.use_torch_fsdp2 and train.fp8_param_gather:   # compiled on CUDA unless told otherwise
                 raise ConfigError("--fp8-param-gather with --use-torch-fsdp2 does not combine with torch.compile "
@@ -142,8 +142,14 @@ class Trainer:
         self.step_graph = self._step_graph()
         self.checkpointer = Checkpointer(config, self.device)
         self.stragglers = StragglerTimer(self.device, train.straggler_minmax_count) if train.log_straggler else None
+        # DPO's reference without LoRA: the start weights' log-probs of every row, before a resume
+        # replaces those weights (with LoRA it is the model with its adapters off, at each step).
+        reference_pass = self._reference_pass if config.posttrain.dpo and not config.posttrain.lora else None
         if config.checkpoint.load or config.checkpoint.pretrained_checkpoint:
-            self.checkpointer.load(self)  # model, optimizer, iteration, consumed samples, RNG; or the start weights
+            # model, optimizer, iteration, consumed samples, RNG; or the start weights
+            self.checkpointer.load(self, on_start_weights=reference_pass)
+        elif reference_pass is not None:
+            reference_pass()
         self._attention = _attention_backend(train.attention_backend, self.device)
         self.document_backend = default_backend(self.device, self.amp_dtype or torch.float32,
                                                 config.model.attention_dropout > 0)   # packed samples' kernel
@@ -159,6 +165,37 @@ class Trainer:
             log_json=train.log_json, tensorboard_dir=train.tensorboard_dir,
             enabled=self.mesh.rank == self.mesh.world_size - 1,  # Megatron logs from the last rank
         )
+
+    def _objective(self):
+        """The loss terms of a step: the LM's (LossTerms), or with --dpo the preference loss
+        (tessera.posttrain.dpo) against its reference."""
+        config = self.config
+        if not config.posttrain.dpo:
+            return LossTerms(config.model, self.mesh, self.device)
+        from tessera.posttrain.dpo import DPOObjective, PrecomputedReference, PreferenceTerms, adapters_off_reference
+
+        objective = DPOObjective(config.posttrain.dpo_beta, config.posttrain.dpo_sft_loss_weight,
+                                 dp_group=self.mesh.group("dp"), pp_group=self.mesh.group("pp"), device=self.device)
+        reference = adapters_off_reference(self.model, self._token_losses) if config.posttrain.lora \
+            else PrecomputedReference()
+        return PreferenceTerms(objective, reference)
+
+    def _token_losses(self, model: GPTModel, batch: Batch) -> torch.Tensor:
+        """The per-token losses [b, s] of `model` on a batch (a DPO reference's forward pass)."""
+        with autocast(self.device.type, self.amp_dtype):
+            return model(batch["tokens"], labels=batch["labels"], position_ids=batch.get("position_ids"))
+
+    def _reference_pass(self) -> None:
+        """DPO's precomputed reference: the model's log-probs of every row of the datasets, now."""
+        from tessera.posttrain.dpo import ModelReference, precompute_reference_log_probs
+
+        self.optimizer.wait_for_parameters()
+        initial = ModelReference(self.model, self._token_losses)
+        for dataset in self.data.datasets.values():
+            if dataset is not None:
+                dataset.attach_reference_log_probs(precompute_reference_log_probs(
+                    dataset, initial, micro_batch_size=self.config.train.micro_batch_size, device=self.device,
+                    dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size, dp_group=self.mesh.group("dp")))
 
     def _step_graph(self) -> StepGraph | None:
         """--cuda-graph-impl full_iteration: the forward and backward passes as one CUDA graph."""
@@ -229,7 +266,7 @@ class Trainer:
                 losses = self.model.head_with_mtp(hidden, batch["tokens"], batch["labels"], position_ids, documents)
             else:
                 losses = self.model.head(hidden, batch["labels"])
-        return self.losses.micro_batch(losses, batch["loss_mask"], documents)
+        return self.losses.micro_batch(losses, batch)
 
     def _run_pipeline(self, runner: PipelineRunner, micro_batches: list[Batch], loss_scale: torch.Tensor | None
                       ) -> None:
@@ -267,7 +304,7 @@ class Trainer:
         with autocast(self.device.type, self.amp_dtype):
             losses = self.model(batch["tokens"], labels=batch["labels"], position_ids=batch.get("position_ids"),
                                 documents=batch.get("documents"), mtp=self._with_mtp)
-        return self.losses.micro_batch(losses, batch["loss_mask"], batch.get("documents"))
+        return self.losses.micro_batch(losses, batch)
 
     def _forward_backward(self, micro_batches: list[Batch], loss_weight: torch.Tensor) -> None:
         """Every micro-batch's forward and backward pass into freshly zeroed gradients, each
@@ -278,19 +315,13 @@ class Trainer:
             self.optimizer.set_last_micro_batch(index == len(micro_batches) - 1)
             (self._forward(batch) * loss_weight).backward()
 
-    def _sum_over_data_parallel(self, value: torch.Tensor) -> torch.Tensor:
-        group = self.mesh.group("dp_cp")
-        if group is not None:
-            dist.all_reduce(value, group=group)
-        return value
-
     def train_step(self) -> StepResult:
         self.model.train()
         micro_batches = [self._to_device(next(self.train_data)) for _ in range(self.config.num_micro_batches)]
         if "documents" in micro_batches[0]:
             self._document_squares = (self._document_squares or 0) + sum(
                 b["documents"].squared_lengths for b in micro_batches)
-        tokens = self._sum_over_data_parallel(sum(b["loss_mask"].sum() for b in micro_batches).float()).clamp(min=1)
+        tokens = self.losses.normaliser(micro_batches)   # the LM's global tokens (DPO: 1, its shares are normalised)
         scale = self.loss_scaler.scale
         self.moe.set_loss_scale(scale)
         if self.stragglers is not None:
@@ -316,8 +347,8 @@ class Trainer:
                                    self.lr_schedule.decoupled(self.iteration))
         self.iteration += 1
         self.consumed_samples += self.config.train.global_batch_size
-        loss, mtp_metrics = self.losses.finish(tokens)
-        return StepResult(loss, norm, self.optimizer.found_inf > 0, moe_metrics, mtp_metrics)
+        loss, terms = self.losses.finish(tokens)
+        return StepResult(loss, norm, self.optimizer.found_inf > 0, moe_metrics, terms)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -326,13 +357,13 @@ class Trainer:
         tokens = torch.zeros((), device=self.device)
         for _ in range(self.config.train.eval_iters):
             batches = [self._to_device(next(self.valid_data)) for _ in range(self.config.num_micro_batches)]
+            tokens += self.losses.normaliser(batches)
             if self.pipeline is not None:
                 self._run_pipeline(self.eval_runner, batches, None)
             else:
                 for batch in batches:
                     self._forward(batch)
-            tokens += sum(batch["loss_mask"].sum() for batch in batches)
-        loss, _ = self.losses.finish(self._sum_over_data_parallel(tokens).clamp(min=1))
+        loss, _ = self.losses.finish(tokens)
         return loss.item()
 
     # -- the loop ----------------------------------------------------------------------
@@ -380,14 +411,14 @@ class Trainer:
                     self.nan_iterations += 1
         losses = [r.loss for r in results if not r.skipped]
         moe = {name: sum(r.moe[name] for r in results) / len(results) for name in results[-1].moe}
-        mtp = {name: sum(r.mtp[name] for r in results) / len(results) for name in results[-1].mtp}
+        terms = {name: sum(r.terms[name] for r in results) / len(results) for name in results[-1].terms}
         self.metrics.log_iteration(IterationStats(
             iteration=self.iteration, train_iters=self.config.train.train_iters,
             consumed_samples=self.consumed_samples, seconds_per_iteration=seconds_per_iteration,
             loss=sum(losses) / len(losses) if losses else None,
             lr=self.optimizer.param_groups[0]["lr"], grad_norm=None if results[-1].skipped else results[-1].grad_norm,
             loss_scale=self.loss_scaler.scale, skipped_iterations=self.skipped_iterations,
-            nan_iterations=self.nan_iterations, mem_gb=peak_memory_gb(self.device), moe=moe, mtp=mtp,
+            nan_iterations=self.nan_iterations, mem_gb=peak_memory_gb(self.device), moe=moe, terms=terms,
             flops_per_iteration=self._packed_flops_per_iteration(len(results)),
             decoupled_lr=self.lr_schedule.decoupled(self.iteration - 1),
         ))

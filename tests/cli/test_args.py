@@ -171,7 +171,3 @@ def test_moe_flags_from_yaml(tmp_path):
     path.write_text("model: tiny-moe\nmoe_layer_freq: 2\nmoe_aux_loss_coeff: [0.01]\nmock_data: true\n")
     config = parse(["--config", str(path), "--lr", "1", "--train-iters", "1"])
     assert config.model.moe_layers() == [True, False, True, False] and config.model.moe_aux_loss_coeff == [0.01]
-
-
-def test_dpo_is_refused_until_the_trainer_runs_it(capsys):
-    assert "--dpo: the trainer does not run DPO yet" in error_of(capsys, BASE + ["--dpo"])

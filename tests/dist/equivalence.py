@@ -83,7 +83,7 @@ def train(flags: list[str]) -> dict:
 def result(trainer: Trainer, history: list) -> dict:
     """What assert_equivalent compares, of a finished run (on every rank: parameters are gathered)."""
     return {"loss": [r.loss for r in history], "grad_norm": [r.grad_norm for r in history],
-            "moe": [r.moe for r in history], "mtp": [r.mtp for r in history], "params": full_parameters(trainer)}
+            "moe": [r.moe for r in history], "terms": [r.terms for r in history], "params": full_parameters(trainer)}
 
 
 def train_layouts(layouts: dict[str, list[str]]) -> dict[str, dict]:
@@ -99,8 +99,8 @@ def assert_equivalent(reference: dict, result: dict, layout: str, *, params_rtol
                                msg=lambda m: f"{layout}: grad norm differs\n{m}")
     torch.testing.assert_close(result["moe"], reference["moe"], rtol=1e-5, atol=0,
                                msg=lambda m: f"{layout}: MoE losses or load differ\n{m}")
-    torch.testing.assert_close(result.get("mtp"), reference.get("mtp"), rtol=1e-5, atol=0,
-                               msg=lambda m: f"{layout}: MTP losses differ\n{m}")
+    torch.testing.assert_close(result.get("terms"), reference.get("terms"), rtol=1e-5, atol=0,
+                               msg=lambda m: f"{layout}: MTP losses (or DPO's terms) differ\n{m}")
     assert result["params"].keys() == reference["params"].keys(), layout
     for name, expected in reference["params"].items():
         actual = result["params"][name]

@@ -53,11 +53,11 @@ def test_loss_weights_by_hand():
     losses = torch.tensor([[[1.0, 2, 3, 4]], [[5.0, 6, 7, 8]], [[9.0, 10, 11, 12]]], requires_grad=True)
     mask = torch.tensor([[1.0, 1, 1, 0]])
     terms.begin()
-    objective = terms.micro_batch(losses, mask)
+    objective = terms.micro_batch(losses, {"loss_mask": mask})
     assert objective.item() == pytest.approx(6 + 0.15 * (11 + 9))   # depth masks [1,1,0,0] and [1,0,0,0]
     objective.backward()
     torch.testing.assert_close(losses.grad, torch.tensor([[[1.0, 1, 1, 0]], [[0.15, 0.15, 0, 0]], [[0.15, 0, 0, 0]]]))
-    assert terms.micro_batch(torch.tensor([[2.0, 0, 0, 0]]), mask).item() == 2   # evaluation: the LM alone
+    assert terms.micro_batch(torch.tensor([[2.0, 0, 0, 0]]), {"loss_mask": mask}).item() == 2   # evaluation: the LM alone
     lm, mtp = terms.finish(torch.tensor(5.0))
     assert lm.item() == pytest.approx(8 / 5)
     assert {name: value.item() for name, value in mtp.items()} == {"mtp_1 loss": 5.5, "mtp_2 loss": 9.0}
@@ -183,11 +183,11 @@ def test_trainer_logs_mtp_apart_from_the_lm_loss(tmp_path, capsys):
     plain = _trainer(tmp_path).train()[0]
     off = _trainer(tmp_path, "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0").train()[0]
     on = _trainer(tmp_path, "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.5").train()[0]
-    assert plain.loss == off.loss == on.loss and on.mtp["mtp_1 loss"] == off.mtp["mtp_1 loss"] > 0
+    assert plain.loss == off.loss == on.loss and on.terms["mtp_1 loss"] == off.terms["mtp_1 loss"] > 0
     assert off.grad_norm == pytest.approx(plain.grad_norm, rel=1e-6) and on.grad_norm > off.grad_norm
     record = json.loads((tmp_path / "log.jsonl").read_text().splitlines()[-1])
-    assert record["mtp_1_loss"] == pytest.approx(on.mtp["mtp_1 loss"]) and record["loss"] == pytest.approx(on.loss)
-    assert f"| mtp_1 loss: {on.mtp['mtp_1 loss']:.6E} |" in capsys.readouterr().out
+    assert record["mtp_1_loss"] == pytest.approx(on.terms["mtp_1 loss"]) and record["loss"] == pytest.approx(on.loss)
+    assert f"| mtp_1 loss: {on.terms['mtp_1 loss']:.6E} |" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("fields, parallel, message", [
