@@ -7,12 +7,14 @@ from dataclasses import dataclass
 
 from tessera.config.attention import check_mla, check_rope
 from tessera.config.fields import flag, option, positive, require
+from tessera.config.hybrid import MOE as MOE_SYMBOL, apply_pattern, check_hybrid, layer_symbols
 from tessera.config.moe import LOAD_BALANCING_TYPES, check_moe, parse_layer_pattern
 
 MOE = "mixture of experts"   # the --help headings of the MoE, MLA, RoPE-scaling and MTP flags
 MLA = "multi-latent attention"
 ROPE_SCALING = "RoPE scaling"
 MTP = "multi-token prediction"
+HYBRID = "hybrid layer pattern and Mamba-2"
 
 @dataclass
 class ModelConfig:
@@ -132,7 +134,19 @@ class ModelConfig:
     mtp_loss_scaling_factor: float = option(
         0.1, "weight of the MTP losses: the objective adds this / --mtp-num-layers x each depth's loss", group=MTP)
 
+    # Hybrid stacks (Megatron-Core's HybridModel flags; tessera.config.hybrid, tessera.models.hybrid).
+    hybrid_layer_pattern: str | None = option(
+        None, "one symbol per layer: M Mamba-2, * attention, - MLP, E MoE; | marks pipeline-stage boundaries; "
+        "sets --num-layers", group=HYBRID)
+    hybrid_override_pattern: str | None = option(None, "deprecated spelling of --hybrid-layer-pattern", group=HYBRID)
+    mamba_state_dim: int = option(128, "Mamba-2: SSM state size per head (N)", group=HYBRID)
+    mamba_head_dim: int = option(64, "Mamba-2: channels per SSM head (P)", group=HYBRID)
+    mamba_num_groups: int = option(8, "Mamba-2: groups of heads sharing B and C", group=HYBRID)
+    mamba_num_heads: int | None = option(None, "Mamba-2: SSM heads (default 2 x hidden / --mamba-head-dim)",
+                                         group=HYBRID)
+
     def __post_init__(self) -> None:
+        apply_pattern(self)   # the pattern sets the layer count
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
             require(getattr(self, name) is not None, f"{flag(name)} is required (or pick --model PRESET)")
         check_mla(self)   # before the key/value groups get their default
@@ -182,6 +196,7 @@ class ModelConfig:
             require(0.0 <= getattr(self, name) < 1.0, f"{flag(name)} must be in [0, 1)")
         check_moe(self)
         self._check_mtp()
+        check_hybrid(self)
 
     def _check_mtp(self) -> None:
         positive(self, "mtp_num_layers")
@@ -195,6 +210,8 @@ class ModelConfig:
         depths' layers, each of the last layer's kind (as Megatron builds and counts them)."""
         if self.num_experts is None:
             pattern = [False] * self.num_layers
+        elif self.hybrid_layer_pattern is not None:
+            pattern = [symbol == MOE_SYMBOL for symbol in layer_symbols(self.hybrid_layer_pattern)]
         else:
             pattern = parse_layer_pattern(self.moe_layer_freq, self.num_layers)
         return pattern + pattern[-1:] * (self.mtp_num_layers or 0) if with_mtp else pattern
