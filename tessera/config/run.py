@@ -124,9 +124,6 @@ class RunConfig:
             return
         require(self.train.micro_batch_size % 2 == 0, "--dpo: --micro-batch-size counts rows, and a preference "
                 f"pair is two (chosen, rejected): give an even number (got {self.train.micro_batch_size})")
-        for name, size in (("--context-parallel-size", self.parallel.context_parallel_size),
-                           ("--pipeline-model-parallel-size", self.parallel.pipeline_model_parallel_size)):
-            require(size == 1, f"--dpo with {name} > 1 is not supported yet")
         require(not self.model.mtp_num_layers, "--dpo with --mtp-num-layers is not supported (DPO scores the answers "
                 "with the LM head alone)")
 

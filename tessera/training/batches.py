@@ -37,7 +37,8 @@ def place_batch(batch: Batch, device: torch.device, document_backend: str,
     split = ZigzagSplit.uniform(cp.size, seq_length) if "cu_seqlens" not in batch else \
         ZigzagSplit.of_cu_seqlens(batch["cu_seqlens"].tolist(), seq_length, cp.size)
     moved.setdefault("position_ids", torch.arange(seq_length, device=device).expand(batch_size, -1))
-    moved = {name: split.split(tensor, cp.rank) for name, tensor in moved.items()}
+    # Per-row values ([batch]: a DPO reference's log-probs) stay whole.
+    moved = {name: split.split(tensor, cp.rank) if tensor.dim() > 1 else tensor for name, tensor in moved.items()}
     if "cu_seqlens" in batch:
         moved["documents"] = SplitDocuments(split, whole)
     return moved

@@ -140,6 +140,8 @@ class Trainer:
         self.nan_check = NonFiniteCheck(self.device, check_grads=not train.fp16) \
             if train.check_for_nan_in_loss_and_grad else None
         self.step_graph = self._step_graph()
+        self.document_backend = default_backend(self.device, self.amp_dtype or torch.float32,
+                                                config.model.attention_dropout > 0)   # packed samples' kernel
         self.checkpointer = Checkpointer(config, self.device)
         self.stragglers = StragglerTimer(self.device, train.straggler_minmax_count) if train.log_straggler else None
         # DPO's reference without LoRA: the start weights' log-probs of every row, before a resume
@@ -151,8 +153,6 @@ class Trainer:
         elif reference_pass is not None:
             reference_pass()
         self._attention = _attention_backend(train.attention_backend, self.device)
-        self.document_backend = default_backend(self.device, self.amp_dtype or torch.float32,
-                                                config.model.attention_dropout > 0)   # packed samples' kernel
         self._document_squares: int | None = None   # sum of n^2 over this rank's documents since the last log
         self.train_data = self.data.micro_batches("train", consumed_samples=self.consumed_samples)
         self.valid_data = self.data.micro_batches("valid", consumed_samples=0) if train.eval_interval else None
@@ -172,30 +172,62 @@ class Trainer:
         config = self.config
         if not config.posttrain.dpo:
             return LossTerms(config.model, self.mesh, self.device)
-        from tessera.posttrain.dpo import DPOObjective, PrecomputedReference, PreferenceTerms, adapters_off_reference
+        from tessera.posttrain.dpo import DPOObjective, PrecomputedReference, PreferenceTerms
 
         objective = DPOObjective(config.posttrain.dpo_beta, config.posttrain.dpo_sft_loss_weight,
-                                 dp_group=self.mesh.group("dp"), pp_group=self.mesh.group("pp"), device=self.device)
-        reference = adapters_off_reference(self.model, self._token_losses) if config.posttrain.lora \
-            else PrecomputedReference()
-        return PreferenceTerms(objective, reference)
+                                 dp_group=self.mesh.group("dp"), pp_group=self.mesh.group("pp"),
+                                 cp_group=self.mesh.group("cp"), device=self.device)
+        # Without LoRA the initial model's log-probs are computed once (_reference_pass).
+        return PreferenceTerms(objective, self._reference(adapters_off=True) if config.posttrain.lora
+                               else PrecomputedReference())
+
+    def _reference(self, *, adapters_off: bool):
+        """DPO's reference: this model run on each micro-batch (with LoRA, its adapters off), or
+        under pipeline parallelism on a step's micro-batches through the forward-only schedule."""
+        from tessera.posttrain.dpo import ModelReference, PipelinedReference
+        from tessera.posttrain.lora import adapters_off as off
+
+        context = off if adapters_off else contextlib.nullcontext
+        if self.mesh.pp_size > 1:
+            return PipelinedReference(lambda micro_batches: self._pipeline_reference(micro_batches, context))
+        return ModelReference(self.model, self._token_losses, context, self.mesh.group("cp"))
 
     def _token_losses(self, model: GPTModel, batch: Batch) -> torch.Tensor:
         """The per-token losses [b, s] of `model` on a batch (a DPO reference's forward pass)."""
         with autocast(self.device.type, self.amp_dtype):
             return model(batch["tokens"], labels=batch["labels"], position_ids=batch.get("position_ids"))
 
+    @torch.no_grad()
+    def _pipeline_reference(self, micro_batches: list[Batch], context) -> None:
+        """DPO's reference log-probs of the micro-batches' rows through the forward-only schedule,
+        in evaluation mode inside `context(model)`, stored in each micro-batch on every stage: the
+        last stage computes them, the sum over the stages shares them."""
+        from tessera.posttrain.dpo import REFERENCE_KEY, answer_log_probs, eval_mode
+
+        for batch in micro_batches:
+            batch[REFERENCE_KEY] = torch.zeros(batch["tokens"].shape[0], device=self.device)
+
+        def keep(losses: torch.Tensor, batch: Batch) -> None:
+            batch[REFERENCE_KEY] = answer_log_probs(losses, batch["loss_mask"], self.mesh.group("cp")).float()
+
+        with context(self.model), eval_mode(self.model):
+            self._run_pipeline(self.eval_runner, micro_batches, None, last_stage=keep)
+        for batch in micro_batches:
+            dist.all_reduce(batch[REFERENCE_KEY], group=self.mesh.group("pp"))
+
     def _reference_pass(self) -> None:
         """DPO's precomputed reference: the model's log-probs of every row of the datasets, now."""
-        from tessera.posttrain.dpo import ModelReference, precompute_reference_log_probs
+        from tessera.posttrain.dpo import precompute_reference_log_probs
 
         self.optimizer.wait_for_parameters()
-        initial = ModelReference(self.model, self._token_losses)
+        initial = self._reference(adapters_off=False)
+        micro_batches = self.config.num_micro_batches if self.mesh.pp_size > 1 else 1
         for dataset in self.data.datasets.values():
             if dataset is not None:
                 dataset.attach_reference_log_probs(precompute_reference_log_probs(
                     dataset, initial, micro_batch_size=self.config.train.micro_batch_size, device=self.device,
-                    dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size, dp_group=self.mesh.group("dp")))
+                    place=self._to_device, micro_batches=micro_batches, dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size,
+                    dp_group=self.mesh.group("dp")))
 
     def _step_graph(self) -> StepGraph | None:
         """--cuda-graph-impl full_iteration: the forward and backward passes as one CUDA graph."""
@@ -250,9 +282,9 @@ class Trainer:
         self.eval_runner = runner(build_schedule(cfg.parallel.pipeline_schedule, mesh.pp_size,
                                                  cfg.num_micro_batches, vp_size, forward_only=True, overlap_p2p=overlap))
 
-    def _stage_forward(self, chunk: int, batch: Batch, hidden: torch.Tensor | None) -> torch.Tensor:
+    def _stage_forward(self, chunk: int, batch: Batch, hidden: torch.Tensor | None, last_stage) -> torch.Tensor:
         """One model chunk on one micro-batch: its output activation, or on the last virtual
-        stage its part of the objective (LossTerms.micro_batch)."""
+        stage `last_stage(per-token losses, batch)` (the objective's share: LossTerms.micro_batch)."""
         stage = self.runner.stage(chunk)
         position_ids, documents = batch.get("position_ids"), batch.get("documents")
         layers = [self.model.layers[i] for i in self.chunk_layers[chunk]]
@@ -266,16 +298,18 @@ class Trainer:
                 losses = self.model.head_with_mtp(hidden, batch["tokens"], batch["labels"], position_ids, documents)
             else:
                 losses = self.model.head(hidden, batch["labels"])
-        return self.losses.micro_batch(losses, batch)
+        return last_stage(losses, batch)
 
-    def _run_pipeline(self, runner: PipelineRunner, micro_batches: list[Batch], loss_scale: torch.Tensor | None
-                      ) -> None:
-        """Run a schedule over the micro-batches (their losses add up in self.losses).
-        `loss_scale` (loss scale / global tokens) is what the last stage backpropagates."""
+    def _run_pipeline(self, runner: PipelineRunner, micro_batches: list[Batch], loss_scale: torch.Tensor | None,
+                      last_stage=None) -> None:
+        """Run a schedule over the micro-batches: the last stage gives each one's per-token losses
+        to `last_stage` (by default the objective, where they add up). `loss_scale` (loss scale /
+        global tokens) is what the last stage backpropagates."""
         self.optimizer.wait_for_parameters()   # stages call embed/run_layers/head, not the gather hooks
+        last_stage = last_stage or self.losses.micro_batch
 
         def forward_step(chunk: int, index: int, hidden: torch.Tensor | None) -> torch.Tensor:
-            output = self._stage_forward(chunk, micro_batches[index], hidden)
+            output = self._stage_forward(chunk, micro_batches[index], hidden, last_stage)
             if runner.stage(chunk) < runner.last_stage or loss_scale is None:
                 return output
             return output * loss_scale
