@@ -93,8 +93,7 @@ class Documents:
             raise ValueError("document attention backend 'varlen': this torch has no torch.nn.attention.varlen")
         block_mask = dense_mask = None
         if backend in ("flex", "dense"):
-            ids = torch.repeat_interleave(torch.arange(len(lengths), device=device, dtype=torch.int32), cu.diff(),
-                                          output_size=total).view(batch_size, seq_length)
+            ids = _token_ids(cu, len(lengths), batch_size, seq_length)
             if backend == "flex":
                 block_mask = _document_block_mask(ids)
             else:
@@ -102,6 +101,11 @@ class Documents:
                 dense_mask = ((ids[:, :, None] == ids[:, None, :]) & causal)[:, None]
         return cls(cu, lengths, max(lengths), batch_size, seq_length, backend, _kernel(backend), block_mask,
                    dense_mask)
+
+    def token_ids(self) -> torch.Tensor:
+        """int32 [b, s]: each token's document, numbered from 0 across the micro-batch (the
+        recurrent layers restart their state where it changes, tessera.models.mamba)."""
+        return _token_ids(self.cu_seqlens, len(self.lengths), self.batch_size, self.seq_length)
 
     @property
     def squared_lengths(self) -> int:
@@ -118,6 +122,12 @@ class Documents:
         if dropout_p > 0 and self.backend not in ("per_document", "dense"):
             raise ValueError(f"--attention-dropout: the '{self.backend}' document kernel has no dropout")
         return self.kernel(q, k, v, self, dropout_p, enable_gqa, scale)
+
+
+def _token_ids(cu_seqlens: torch.Tensor, documents: int, batch_size: int, seq_length: int) -> torch.Tensor:
+    numbers = torch.arange(documents, device=cu_seqlens.device, dtype=torch.int32)
+    return torch.repeat_interleave(numbers, cu_seqlens.diff(), output_size=batch_size * seq_length).view(
+        batch_size, seq_length)
 
 
 # -- the kernels: (q, k, v, documents, dropout_p, enable_gqa, scale) -> [b, heads, s, d_v] --

@@ -46,11 +46,11 @@ from torch import nn
 
 from tessera.config import ConfigError, ModelConfig
 from tessera.models.documents import Documents
+from tessera.models.hybrid import build_layer
 from tessera.models.moe import MoELayer
 from tessera.models.mtp import MultiTokenPrediction, shift_left
 from tessera.models.norm import build_norm
 from tessera.models.rope import build_rotary
-from tessera.models.transformer import TransformerBlock
 from tessera.parallel.context import ContextParallel
 from tessera.parallel.experts import ExpertGroups
 from tessera.parallel.random import DropoutRNG, checkpoint, dropout
@@ -104,9 +104,9 @@ class GPTModel(nn.Module):
         selective = recompute.granularity == "selective"
         moe = config.moe_layers()
         self.layers = LayerStack({
-            index: TransformerBlock(config, tp_group=tp_group, sequence_parallel=sp, rng=self.dropout_rng,
-                                    recompute_core=selective, moe=moe[index], expert_groups=expert_groups,
-                                    context=context_parallel.layer(index) if context_parallel else None)
+            index: build_layer(config, index, tp_group=tp_group, sequence_parallel=sp, rng=self.dropout_rng,
+                               recompute_core=selective, moe=moe[index], expert_groups=expert_groups,
+                               context=context_parallel.layer(index) if context_parallel else None)
             for index in (range(config.num_layers) if layer_indices is None else layer_indices)
         })
         self.final_norm = build_norm(config, tp_group, sp) if post_process else None
@@ -180,7 +180,7 @@ class GPTModel(nn.Module):
         blocks = list(self.layers.items())
         if self.mtp is not None:
             blocks += [(self.config.num_layers + k, depth.layer) for k, depth in enumerate(self.mtp.layers)]
-        return {index: block.mlp for index, block in blocks if isinstance(block.mlp, MoELayer)}
+        return {index: block.mlp for index, block in blocks if isinstance(getattr(block, "mlp", None), MoELayer)}
 
     @contextlib.contextmanager
     def _routers_paused(self):
@@ -275,9 +275,13 @@ def initialize_parameter(param: nn.Parameter, name: str, seed: int) -> None:
     """One parameter of initialize_parameters (`name`: its name in the whole model)."""
     spec = getattr(param, "shard_spec", ShardSpec(tuple(param.shape)))
     std = getattr(param, "init_std", None)
-    if std is None:
+    init_full = getattr(param, "init_full", None)   # a draw of its own: (shape, generator, device) -> tensor
+    if std is None and init_full is None:
         full = torch.full(spec.full_shape, getattr(param, "init_value", 0.0), device=param.device)
     else:
         generator = torch.Generator(device=param.device).manual_seed(_parameter_seed(seed, name))
-        full = torch.empty(spec.full_shape, device=param.device).normal_(0.0, std, generator=generator)
+        if init_full is not None:
+            full = init_full(spec.full_shape, generator, param.device)
+        else:
+            full = torch.empty(spec.full_shape, device=param.device).normal_(0.0, std, generator=generator)
     param.copy_(spec.shard(full))

@@ -1,0 +1,115 @@
+"""Mamba-2's selective state-space scan (SSD: "Transformers are SSMs", arXiv 2405.21060), in chunks.
+
+    y = ssd_scan(x, dt, A, B, C, D, document_ids=ids)
+
+Per head, with state h [P, N] starting at zero (and again at the first token of every document):
+
+    h_t = exp(dt_t * A) h_{t-1} + dt_t * x_t B_t^T        y_t = h_t C_t + D x_t
+
+x [b, s, heads, P], dt [b, s, heads] (after softplus), A [heads] (negative), B and C
+[b, s, groups, N] shared by the heads of a group (heads // groups of them, in order), D [heads];
+`document_ids` [b, s] (optional) names each token's document: no state crosses from one to the next.
+
+Backends (`BACKENDS`; `default_backend` picks one):
+- "torch": the chunked algorithm of the paper's Listing 1 in PyTorch ops, computed in fp32 (or fp64). Inside a
+  chunk of `chunk_size` tokens the scan is a masked matrix product (quadratic in the chunk);
+  each chunk's final state passes to the next in a loop over chunks. Documents are masks: a
+  token sees the tokens and carried state of its own document only. It runs anywhere, is the
+  CPU oracle (tests check it against the fp64 recurrence), and is the default.
+- "mamba_ssm": the Triton kernel of the `mamba-ssm` package (`mamba_chunk_scan_combined`,
+  documents as its `seq_idx`), on CUDA where that package is installed. Not measured against
+  the PyTorch path yet, so it is chosen by name only (a benchmark's), never by default.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+BACKENDS = ("torch", "mamba_ssm")
+CHUNK_SIZE = 128   # Megatron's MambaMixer default
+
+
+def default_backend(x: torch.Tensor) -> str:
+    """The scan kernel for `x`'s device: PyTorch's everywhere until the Triton kernel is measured
+    beside it on a GPU (bench/ would time both by name)."""
+    return "torch"
+
+
+def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+             D: torch.Tensor, *, document_ids: torch.Tensor | None = None, chunk_size: int = CHUNK_SIZE,
+             backend: str | None = None) -> torch.Tensor:
+    """y [b, s, heads, P] in x's dtype (see the module docstring)."""
+    backend = backend or default_backend(x)
+    if backend == "mamba_ssm":
+        return _mamba_ssm(x, dt, A, B, C, D, document_ids, chunk_size)
+    if backend != "torch":
+        raise ValueError(f"SSD backend '{backend}': choose one of {', '.join(BACKENDS)}")
+    return _chunked(x, dt, A, B, C, D, document_ids, chunk_size)
+
+
+def _chunked(x, dt, A, B, C, D, document_ids, chunk_size: int) -> torch.Tensor:
+    batch, seq, heads, _ = x.shape
+    per_group = heads // B.shape[2]
+    if document_ids is None:
+        document_ids = torch.zeros(batch, seq, dtype=torch.int32, device=x.device)
+    pad = -seq % chunk_size   # zeros at the end: later tokens never reach earlier outputs
+    chunks = (seq + pad) // chunk_size
+
+    def chunked(t: torch.Tensor) -> torch.Tensor:   # [b, s, ...] -> [b, chunks, chunk_size, ...]
+        t = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
+        return t.view(batch, chunks, chunk_size, *t.shape[2:])
+
+    dtype = torch.promote_types(x.dtype, torch.float32)   # fp32 at least; fp64 stays fp64 (the tests)
+    xs, dts = chunked(x.to(dtype)), chunked(dt.to(dtype))
+    Bs, Cs = (chunked(t.to(dtype).repeat_interleave(per_group, dim=2)) for t in (B, C))  # [b, c, l, heads, N]
+    ids = chunked(document_ids)                                                          # [b, c, l]
+    log_decay = (dts * A.to(dtype)).cumsum(dim=2)   # [b, c, l, heads]: sum of dt * A from the chunk's start
+    inputs = xs * dts.unsqueeze(-1)               # dt_t x_t
+
+    # 1. Within each chunk: y_i = sum over j <= i in i's document of (C_i . B_j) exp(sum_{j<k<=i} dt A) dt_j x_j.
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=x.device).tril()
+    visible = (ids.unsqueeze(-1) == ids.unsqueeze(-2)) & causal                       # [b, c, i, j]
+    gaps = log_decay.unsqueeze(3) - log_decay.unsqueeze(2)                            # [b, c, i, j, heads]
+    weights = torch.einsum("bcihn,bcjhn->bcijh", Cs, Bs) * gaps.masked_fill(~visible.unsqueeze(-1), -torch.inf).exp()
+    y = torch.einsum("bcijh,bcjhp->bcihp", weights, inputs)
+
+    # 2. Each chunk's own contribution to the state at its last token (that token's document only).
+    last_ids = ids[:, :, -1]
+    to_end = (log_decay[:, :, -1:] - log_decay).exp() * (ids == last_ids.unsqueeze(-1)).unsqueeze(-1)
+    own = torch.einsum("bclhn,bclh,bclhp->bchpn", Bs, to_end, inputs)                # [b, c, heads, P, N]
+
+    # 3. The state entering each chunk: the previous one's, carried on while the document goes on.
+    carried = log_decay[:, :, -1].exp() * torch.cat(
+        [torch.zeros_like(last_ids[:, :1]), last_ids[:, 1:] == last_ids[:, :-1]], dim=1).unsqueeze(-1)
+    state, entering = torch.zeros_like(own[:, 0]), []
+    for chunk in range(chunks):
+        entering.append(state)
+        state = own[:, chunk] + state * carried[:, chunk, :, None, None]
+    entering = torch.stack(entering, dim=1)                                           # [b, c, heads, P, N]
+
+    # 4. What the entering state gives each token of the chunk's first document.
+    previous_ids = torch.cat([torch.full_like(last_ids[:, :1], -1), last_ids[:, :-1]], dim=1)
+    from_start = log_decay.exp() * (ids == previous_ids.unsqueeze(-1)).unsqueeze(-1)
+    y = y + torch.einsum("bclhn,bchpn,bclh->bclhp", Cs, entering, from_start)
+    y = y.reshape(batch, chunks * chunk_size, heads, -1)[:, :seq]
+    return (y + D.to(dtype)[:, None] * x.to(dtype)).to(x.dtype)
+
+
+@functools.cache
+def _mamba_ssm_kernel():
+    try:
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+    except ImportError:
+        return None
+    return mamba_chunk_scan_combined
+
+
+def _mamba_ssm(x, dt, A, B, C, D, document_ids, chunk_size: int) -> torch.Tensor:
+    kernel = _mamba_ssm_kernel() if x.is_cuda else None
+    if kernel is None:
+        raise ValueError("SSD backend 'mamba_ssm' needs CUDA and the mamba-ssm package (pip install mamba-ssm "
+                         "--no-build-isolation)")
+    seq_idx = None if document_ids is None else document_ids.to(torch.int32).contiguous()
+    return kernel(x, dt, A, B, C, chunk_size, D=D, seq_idx=seq_idx)

@@ -1,0 +1,134 @@
+"""The Mamba-2 mixer (arXiv 2405.21060), as Megatron-Core's MambaMixer (megatron/core/ssm/mamba_mixer.py)
+and transformers' Mamba2Mixer compute it:
+
+    [z, x, B, C, dt] = in_proj(u)                      one GEMM, the five parts side by side
+    x, B, C = silu(causal depthwise conv1d([x, B, C]))  kernel 4, a bias per channel
+    y = SSD scan(x, softplus(dt + dt_bias), -exp(A_log), B, C) + D x    (tessera.kernels.ssd)
+    out = out_proj(RMSNorm_per_group(y * silu(z)))     the gate before the norm, one norm per group
+
+Shapes: d_inner = heads x head_dim channels in heads of `--mamba-head-dim`; B and C are
+`--mamba-num-groups` x `--mamba-state-dim`, each group shared by heads // groups consecutive heads.
+
+Tensor parallelism splits heads and groups over ranks: `in_proj` is column-parallel with each of
+its five parts cut separately (a rank holds its heads' z, x and dt and its groups' B and C), the
+conv channels, dt_bias, A_log, D and the norm follow them (each norm group lies on one rank), and
+`out_proj` is row-parallel. Under sequence parallelism `in_proj` all-gathers the sequence and
+`out_proj` reduce-scatters it, as for attention. With packed documents the conv and the scan
+restart at each document: the same outputs as running each document alone.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.config import ConfigError, ModelConfig
+from tessera.kernels.ssd import ssd_scan
+from tessera.models.documents import Documents
+from tessera.parallel.sharding import ShardSpec, annotate, rank_and_size
+from tessera.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+
+CONV_KERNEL = 4                        # Megatron's d_conv
+A_INIT_RANGE = (1.0, 16.0)             # A = -uniform(1, 16), stored as log
+DT_RANGE, DT_FLOOR = (1e-3, 1e-1), 1e-4   # softplus(dt_bias) starts log-uniform in this range
+
+
+class MambaMixer(nn.Module):
+    """Mamba-2 mixer: [b, s, hidden] (under SP a sequence shard) -> the same."""
+
+    def __init__(self, config: ModelConfig, output_std: float, *, tp_group=None, sequence_parallel: bool = False):
+        super().__init__()
+        rank, tp_size = rank_and_size(tp_group)
+        heads, groups = config.mamba_num_heads, config.mamba_num_groups
+        if heads % tp_size or groups % tp_size:
+            raise ConfigError(f"--mamba-num-heads ({heads}) and --mamba-num-groups ({groups}) must be divisible by "
+                              f"--tensor-model-parallel-size ({tp_size})")
+        self.head_dim, self.state_dim = config.mamba_head_dim, config.mamba_state_dim
+        self.num_heads, self.num_groups = heads // tp_size, groups // tp_size
+        self.eps = config.norm_epsilon
+        inner, states = heads * self.head_dim, groups * self.state_dim
+        self.in_proj = ColumnParallelLinear(
+            config.hidden_size, 2 * inner + 2 * states + heads, bias=config.add_bias_linear,
+            init_std=config.init_method_std, segments=(inner, inner, states, states, heads),
+            tp_group=tp_group, sequence_parallel=sequence_parallel)
+        conv_parts = (inner, states, states)   # x, B, C
+        split = lambda *shape: ShardSpec((sum(conv_parts), *shape), 0, conv_parts, rank, tp_size)  # noqa: E731
+        self.conv_weight = _parameter(split(1, CONV_KERNEL), _uniform(CONV_KERNEL ** -0.5))
+        self.conv_bias = _parameter(split(), _uniform(CONV_KERNEL ** -0.5))
+        per_head = ShardSpec((heads,), 0, None, rank, tp_size)
+        self.dt_bias = _parameter(per_head, _dt_bias)
+        self.A_log = _parameter(per_head, _a_log)
+        self.D = annotate(nn.Parameter(torch.empty(self.num_heads)), per_head, init_value=1.0)
+        self.norm_weight = annotate(nn.Parameter(torch.empty(inner // tp_size)),
+                                    ShardSpec((inner,), 0, None, rank, tp_size), init_value=1.0)
+        self.out_proj = RowParallelLinear(inner, config.hidden_size, bias=config.add_bias_linear, init_std=output_std,
+                                          tp_group=tp_group, sequence_parallel=sequence_parallel)
+
+    def forward(self, hidden: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        projected = self.in_proj(hidden)   # the whole sequence, this rank's heads and groups
+        batch, seq, _ = projected.shape
+        inner, states = self.num_heads * self.head_dim, self.num_groups * self.state_dim
+        z, xbc, dt = projected.split([inner, inner + 2 * states, self.num_heads], dim=-1)
+        ids = documents.token_ids() if documents is not None else None
+        xbc = F.silu(causal_conv1d(xbc, self.conv_weight, self.conv_bias, ids))
+        x, B, C = xbc.split([inner, states, states], dim=-1)
+        y = ssd_scan(x.view(batch, seq, self.num_heads, self.head_dim), F.softplus(dt.float() + self.dt_bias.float()),
+                     -self.A_log.float().exp(), B.view(batch, seq, self.num_groups, self.state_dim),
+                     C.view(batch, seq, self.num_groups, self.state_dim), self.D, document_ids=ids)
+        return self.out_proj(gated_rms_norm(y.reshape(batch, seq, inner), z, self.norm_weight, self.num_groups,
+                                            self.eps).to(hidden.dtype))
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                  document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Depthwise causal convolution over the sequence of x [b, s, channels] (weight [channels, 1, k]);
+    with `document_ids` [b, s], the taps that reach into an earlier document read zeros."""
+    kernel = weight.shape[-1]
+    if document_ids is None:
+        out = F.conv1d(x.transpose(1, 2), weight, bias, padding=kernel - 1, groups=x.shape[-1])
+        return out[..., :x.shape[1]].transpose(1, 2)
+    out = bias.to(x.dtype).expand_as(x)
+    for shift in range(kernel):   # tap k - 1 - shift reads the token `shift` places back
+        earlier = F.pad(x, (0, 0, shift, 0))[:, :x.shape[1]]
+        same = F.pad(document_ids, (shift, 0), value=-1)[:, :x.shape[1]] == document_ids
+        out = out + earlier * same.unsqueeze(-1) * weight[:, 0, kernel - 1 - shift]
+    return out
+
+
+def gated_rms_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, groups: int, eps: float) -> torch.Tensor:
+    """RMSNorm of y * silu(gate) over each group's channels separately, in fp32 (Megatron's
+    norm_before_gate=False; transformers' Mamba2RMSNormGated)."""
+    gated = y.float() * F.silu(gate.float())
+    grouped = gated.unflatten(-1, (groups, -1))
+    normed = grouped * torch.rsqrt(grouped.square().mean(-1, keepdim=True) + eps)
+    return normed.flatten(-2) * weight.float()
+
+
+# -- initialisation of the full tensors (tessera.models.gpt.initialize_parameter), as Megatron's mixer --
+
+def _parameter(spec: ShardSpec, init_full) -> nn.Parameter:
+    rows = sum(piece.length for piece in spec.pieces())
+    param = annotate(nn.Parameter(torch.empty(rows, *spec.full_shape[1:])), spec)
+    param.init_full = init_full
+    return param
+
+
+def _uniform(bound: float):
+    """nn.Conv1d's default: uniform in +-1/sqrt(fan in), fan in = the kernel width."""
+    return lambda shape, generator, device: torch.empty(shape, device=device).uniform_(-bound, bound,
+                                                                                       generator=generator)
+
+
+def _a_log(shape, generator, device) -> torch.Tensor:
+    low, high = A_INIT_RANGE
+    return torch.empty(shape, device=device).uniform_(low, high, generator=generator).log()
+
+
+def _dt_bias(shape, generator, device) -> torch.Tensor:
+    """The inverse softplus of time steps drawn log-uniformly in DT_RANGE (floored at DT_FLOOR)."""
+    low, high = (math.log(v) for v in DT_RANGE)
+    dt = (torch.rand(shape, device=device, generator=generator) * (high - low) + low).exp().clamp(min=DT_FLOOR)
+    return dt + torch.log(-torch.expm1(-dt))

@@ -1,0 +1,116 @@
+"""The Mamba-2 mixer and its chunked scan: against an fp64 sequential recurrence, against
+transformers' Mamba2Mixer with the same weights, and packed documents against separate runs."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tessera.config import ConfigError, ModelConfig
+from tessera.config.hybrid import stage_ranges
+from tessera.kernels.ssd import ssd_scan
+from tessera.models.documents import Documents
+from tessera.models.gpt import initialize_parameters
+from tessera.models.mamba import MambaMixer
+
+
+def recurrence(x, dt, A, B, C, D, document_ids):
+    """The SSM one token at a time (the definition), state reset where the document changes."""
+    batch, seq, heads, _ = x.shape
+    B, C = (t.repeat_interleave(heads // t.shape[2], dim=2) for t in (B, C))
+    y = torch.empty_like(x)
+    for row in range(batch):
+        state = x.new_zeros(heads, x.shape[3], B.shape[3])
+        for t in range(seq):
+            if t and document_ids[row, t] != document_ids[row, t - 1]:
+                state = torch.zeros_like(state)
+            decay = torch.exp(dt[row, t] * A)[:, None, None]
+            state = decay * state + (dt[row, t, :, None] * x[row, t])[:, :, None] * B[row, t][:, None, :]
+            y[row, t] = torch.einsum("hpn,hn->hp", state, C[row, t]) + D[:, None] * x[row, t]
+    return y
+
+
+@pytest.mark.parametrize("chunk_size", [4, 16, 64])
+def test_chunked_scan_equals_the_fp64_recurrence(chunk_size):
+    generator = torch.Generator().manual_seed(chunk_size)
+    batch, seq, heads, head_dim, groups, state = 2, 23, 4, 3, 2, 5
+    rand = lambda *shape: torch.randn(*shape, generator=generator, dtype=torch.float64)  # noqa: E731
+    x, B, C = rand(batch, seq, heads, head_dim), rand(batch, seq, groups, state), rand(batch, seq, groups, state)
+    dt, A, D = F.softplus(rand(batch, seq, heads)), -3 * rand(heads).abs(), rand(heads)
+    ids = torch.tensor([[0] * 5 + [1] * 13 + [2] * 5, [3] * 23])   # documents crossing chunk boundaries
+    for document_ids in (ids, None):
+        expected = recurrence(x, dt, A, B, C, D, ids if document_ids is not None else torch.zeros(batch, seq))
+        got = ssd_scan(x, dt, A, B, C, D, document_ids=document_ids, chunk_size=chunk_size)
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+def _config(**extra) -> ModelConfig:
+    extra.setdefault("hybrid_layer_pattern", None if "hybrid_override_pattern" in extra else "M")
+    return ModelConfig(hidden_size=32, num_attention_heads=4, seq_length=32,
+                       mamba_head_dim=8, mamba_num_groups=2, mamba_state_dim=4, vocab_size=64,
+                       normalization="RMSNorm", disable_bias_linear=True, **extra)
+
+
+def _mixer(config: ModelConfig, seed: int = 0) -> MambaMixer:
+    torch.manual_seed(seed)
+    mixer = MambaMixer(config, 0.02)
+    initialize_parameters(mixer, seed)
+    with torch.no_grad():   # away from the initial values, so that no part can be silently skipped
+        for param in mixer.parameters():
+            param.add_(0.1 * torch.randn_like(param))
+    return mixer
+
+
+def test_mixer_equals_transformers_mamba2_mixer():
+    from transformers import Mamba2Config
+    from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer
+
+    config = _config()
+    ours = _mixer(config)
+    hf = Mamba2Mixer(Mamba2Config(hidden_size=32, num_heads=8, head_dim=8, n_groups=2, state_size=4, expand=2,
+                                  chunk_size=8, layer_norm_epsilon=config.norm_epsilon, num_hidden_layers=1),
+                     layer_idx=0)
+    with torch.no_grad():
+        for hf_name, name in (("in_proj.weight", "in_proj.weight"), ("conv1d.weight", "conv_weight"),
+                              ("conv1d.bias", "conv_bias"), ("dt_bias", "dt_bias"), ("A_log", "A_log"), ("D", "D"),
+                              ("norm.weight", "norm_weight"), ("out_proj.weight", "out_proj.weight")):
+            hf.get_parameter(hf_name).copy_(ours.get_parameter(name))
+    x = torch.randn(2, 19, 32, requires_grad=True)
+    hf_x = x.detach().clone().requires_grad_()
+    out, expected = ours(x), hf(hf_x)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    torch.testing.assert_close(x.grad, hf_x.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ours.A_log.grad, hf.A_log.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_packed_documents_equal_separate_runs():
+    mixer = _mixer(_config(), seed=1)
+    lengths = [[7, 1, 12], [20]]
+    x = torch.randn(2, 20, 32)
+    cu = torch.tensor([0, 7, 8, 20, 40])
+    documents = Documents.from_cu_seqlens(cu, 2, 20, backend="per_document", device=torch.device("cpu"))
+    packed = mixer(x, documents)
+    for row, row_lengths in enumerate(lengths):
+        start = 0
+        for length in row_lengths:
+            alone = mixer(x[row:row + 1, start:start + length])
+            torch.testing.assert_close(packed[row:row + 1, start:start + length], alone, rtol=1e-5, atol=1e-6)
+            start += length
+
+
+def test_pattern_sets_layers_and_pipeline_segments():
+    config = _config(hybrid_override_pattern="M*-|M-E|*-|MM", num_experts=4, num_layers=99)
+    assert config.hybrid_layer_pattern == "M*-|M-E|*-|MM" and config.hybrid_override_pattern is None
+    assert config.num_layers == 10 and config.moe_layers() == [False] * 5 + [True] + [False] * 4
+    assert [list(r) for r in stage_ranges(config.hybrid_layer_pattern, 2)] == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+    with pytest.raises(ConfigError, match="multiple of --pipeline-model-parallel-size"):
+        stage_ranges("M*|M-|MM", 2)
+
+
+@pytest.mark.parametrize("pattern, message", [
+    ("M*G-", "Gated DeltaNet"), ("M*x", "unknown symbol"), ("M*/M", "MTP"), ("M*E", "needs --num-experts"),
+])
+def test_bad_patterns_are_refused_in_one_line(pattern, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig(hybrid_layer_pattern=pattern, hidden_size=32, num_attention_heads=4, seq_length=32)
