@@ -78,10 +78,12 @@ def _add_section(parser: argparse.ArgumentParser, section: str, cls: type) -> No
             kwargs["action"] = "store_true"
         else:
             kwargs.update(type=field.metadata.get("parse", base), choices=field.metadata.get("choices"),
-                          metavar=field.name.upper())
-            if field.metadata.get("choices"):
+                          metavar=field.metadata.get("metavar", field.name.upper()))
+            if field.metadata.get("choices") and "metavar" not in field.metadata:
                 kwargs["metavar"] = "{" + ",".join(map(str, field.metadata["choices"])) + "}"
-            if is_list:
+            if is_list and field.metadata.get("repeat"):   # --stop A --stop B, as argparse's append
+                kwargs["action"] = "append"
+            elif is_list:
                 kwargs["nargs"] = "+"
         group.add_argument(flag(field.name), **kwargs)
 
@@ -203,6 +205,22 @@ def parse_run_config(argv: list[str], prog: str = "tessera train", world_size: i
         config = RunConfig(**parts, world_size=world_size)
         config.notes += [note] if note else []
         return config, namespace
+    except ConfigError as exc:
+        parser.exit(2, f"{prog}: error: {exc}\n")
+
+
+def parse_sections(argv: list[str], prog: str, description: str, sections: dict[str, type]) -> dict[str, Any]:
+    """One instance of each dataclass in `sections` ({name: class}) from a command line (no YAML, no
+    presets: the commands beside `tessera train`); exits with one line naming the flag on error."""
+    parser = _Parser(prog=prog, description=description, allow_abbrev=False)
+    for section, cls in sections.items():
+        _add_section(parser, section, cls)
+    values: dict[str, dict[str, Any]] = {section: {} for section in sections}
+    for dest, value in vars(parser.parse_args(argv)).items():
+        section, name = dest.split(".", 1)
+        values[section][name] = value
+    try:
+        return {section: cls(**values[section]) for section, cls in sections.items()}
     except ConfigError as exc:
         parser.exit(2, f"{prog}: error: {exc}\n")
 

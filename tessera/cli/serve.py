@@ -13,38 +13,30 @@ from __future__ import annotations
 import functools
 import sys
 
-from tessera.cli.args import _Parser, fail
-from tessera.cli.generate import add_model_arguments, build_engine
+from tessera.cli.args import fail, parse_sections
+from tessera.config import ConfigError
+from tessera.config.inference import InferenceConfig, ServeConfig
 
 PROG = "tessera serve"
-
-
-def _parser() -> _Parser:
-    parser = _Parser(prog=PROG, allow_abbrev=False, description="Serve a tessera checkpoint or a Hugging Face "
-                     "directory over HTTP: OpenAI's /v1/completions and /v1/chat/completions (streaming too), "
-                     "/v1/models, /health, and Megatron-LM's PUT /api.")
-    http = parser.add_argument_group("HTTP")
-    http.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface) "
-                      "[127.0.0.1]")
-    http.add_argument("--port", type=int, default=8000, help="[8000]")
-    http.add_argument("--served-model-name", help="the model's name in the API (default: the directory's name)")
-    http.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
-                      help="uvicorn's log level [info]")
-    add_model_arguments(parser)
-    return parser
+DESCRIPTION = ("Serve a tessera checkpoint or a Hugging Face directory over HTTP: OpenAI's /v1/completions and "
+               "/v1/chat/completions (streaming too), /v1/models, /health, and Megatron-LM's PUT /api.")
 
 
 def main(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
-    if not 0 <= args.port < 65536:
-        fail(PROG, f"--port must be in [0, 65535], got {args.port}")
+    sections = parse_sections(argv, PROG, DESCRIPTION, {"inference": InferenceConfig, "serve": ServeConfig})
     try:   # the serving stack is an extra: say so before the model loads
         import uvicorn  # noqa: F401
 
         import tessera.inference.server  # noqa: F401
     except ImportError as exc:
         fail(PROG, f"{exc.name} is missing: pip install 'tessera[serve]'")
-    engine, tokenizer, name, parallel = build_engine(args, PROG)
+    from tessera.inference.builder import build_engine
+
+    try:
+        built = build_engine(sections["inference"])
+    except ConfigError as exc:
+        fail(PROG, str(exc))
+    engine, tokenizer, name, parallel = built.engine, built.tokenizer, built.model_name, built.parallel
     seconds = engine.warm_up()   # every rank alike (under TP they step in lockstep)
     if parallel is None or parallel.rank == 0:
         print(f"{PROG}: warmed up in {seconds:.1f} s (compiling the decode step, capturing CUDA graphs)",
@@ -52,7 +44,7 @@ def main(argv: list[str]) -> int:
     warmed_up = engine.runner.graph_captures()
     report = functools.partial(_report_captures, engine, warmed_up)
     if parallel is None:
-        _serve(engine, tokenizer, name, args, report)
+        _serve(engine, tokenizer, name, sections, report)
         return 0
     from tessera.inference.lockstep import Leader, follow
 
@@ -62,7 +54,7 @@ def main(argv: list[str]) -> int:
         return 0
     leader = Leader(engine, parallel)
     with leader.serving():
-        _serve(leader, tokenizer, name, args, report)
+        _serve(leader, tokenizer, name, sections, report)
     if leader.failed:   # the other ranks may be stuck in a collective: exiting non-zero has torchrun end them
         fail(PROG, "the engine failed; see the log above")
     parallel.leave()
@@ -77,12 +69,14 @@ def _report_captures(engine, warmed_up: tuple[int, float]) -> None:
               f"{seconds - warmed_up[1]:.1f} s for them (batch shapes the warm-up did not meet)", file=sys.stderr)
 
 
-def _serve(engine, tokenizer, name: str, args, on_shutdown) -> None:
+def _serve(engine, tokenizer, name: str, sections: dict, on_shutdown) -> None:
     import uvicorn
 
     from tessera.inference.server import create_app
 
+    args = sections["serve"]
     app = create_app(engine, tokenizer, model_name=args.served_model_name or name, on_shutdown=on_shutdown)
     print(f"{PROG}: '{app.state.server.model_name}' on http://{args.host}:{args.port}/v1 "
-          f"(context {engine.max_seq_length}, {args.inference_max_requests} requests at a time)", file=sys.stderr)
+          f"(context {engine.max_seq_length}, {sections['inference'].inference_max_requests} requests at a time)",
+          file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

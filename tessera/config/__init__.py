@@ -11,16 +11,19 @@ dataclass defaults < `--model PRESET` < `--config run.yaml` < command-line flags
     parallel.py  ParallelConfig        data.py  DataConfig
     training.py  OptimConfig, TrainConfig, CheckpointConfig
     posttrain.py PostTrainConfig (SFT, LoRA, DPO)
+    inference.py InferenceConfig, GenerateConfig, ServeConfig (`tessera generate` and `tessera serve`)
     run.py       RunConfig (all sections, checks across them), SECTIONS
 """
 
 from tessera.config.data import DataConfig
 from tessera.config.fields import ConfigError, flag, option
+from tessera.config.inference import GenerateConfig, InferenceConfig, ServeConfig
 from tessera.config.model import ModelConfig
 from tessera.config.parallel import ParallelConfig
 from tessera.config.posttrain import PostTrainConfig
 from tessera.config.run import SECTIONS, RunConfig
 from tessera.config.training import CheckpointConfig, OptimConfig, TrainConfig
 
-__all__ = ["SECTIONS", "CheckpointConfig", "ConfigError", "DataConfig", "ModelConfig", "OptimConfig",
-           "ParallelConfig", "PostTrainConfig", "RunConfig", "TrainConfig", "flag", "option"]
+__all__ = ["SECTIONS", "CheckpointConfig", "ConfigError", "DataConfig", "GenerateConfig", "InferenceConfig",
+           "ModelConfig", "OptimConfig", "ParallelConfig", "PostTrainConfig", "RunConfig", "ServeConfig", "TrainConfig",
+           "flag", "option"]

@@ -88,6 +88,10 @@ def test_a_checkpoint_without_tokenizer_files_names_the_flags_to_give(hf_dir, tm
     (["--prompt", "x " * 300], "the context holds 256"),
     (["--prompt", "x", "--tokenizer-model", "/nonexistent"], "--tokenizer-model /nonexistent"),
     (["--prompt", "x", "--output", "/nonexistent/out.jsonl"], "--output /nonexistent/out.jsonl: its directory"),
+    (["--prompt", "x", "--load", "/nonexistent"], "--load and --hf are exclusive"),
+    (["--prompt", "x", "--inference-max-requests", "0"], "--inference-max-requests must be >= 1, got 0"),
+    (["--prompt", "x", "--output-format", "csv"], "--output-format: invalid choice"),
+    (["--prompt", "x", "--max-new-token", "3"], "did you mean --max-new-tokens?"),
 ])
 def test_bad_flags_stop_with_one_line_naming_them(hf_dir, flags, message, capsys):
     with pytest.raises(SystemExit) as stopped:
@@ -95,6 +99,15 @@ def test_bad_flags_stop_with_one_line_naming_them(hf_dir, flags, message, capsys
     assert stopped.value.code == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_the_model_and_a_prompt_are_required_in_one_line(capsys):
+    for flags, message in ((["--prompt", "x"], "give the model: --load CKPT_DIR or --hf HF_DIR"),
+                           (["--hf", "/x"], "give --prompt TEXT or --input FILE.jsonl")):
+        with pytest.raises(SystemExit) as stopped:
+            run(["generate", *flags])
+        err = capsys.readouterr().err.strip()
+        assert stopped.value.code == 2 and message in err and len(err.splitlines()) == 1
 
 
 def test_a_jsonl_line_without_a_prompt_is_named(hf_dir, tmp_path, capsys):
@@ -109,11 +122,9 @@ def test_a_jsonl_line_without_a_prompt_is_named(hf_dir, tmp_path, capsys):
 def test_prefix_caching_is_off_unless_asked_for(hf_dir, flags, caching):
     """Megatron's flag and default: on a GPU a prompt after a cached prefix runs eagerly, slower than
     recomputing a short prefix through the prompt graphs."""
-    import argparse
+    from tessera.cli.args import parse_sections
+    from tessera.config.inference import InferenceConfig
+    from tessera.inference.builder import build_engine
 
-    from tessera.cli.generate import add_model_arguments, build_engine
-
-    parser = argparse.ArgumentParser()
-    add_model_arguments(parser)
-    engine = build_engine(parser.parse_args(["--hf", str(hf_dir), *flags]), "tessera generate")[0]
-    assert engine.cache.allocator.prefix_caching is caching
+    config = parse_sections(["--hf", str(hf_dir), *flags], "tessera generate", "", {"inference": InferenceConfig})
+    assert build_engine(config["inference"]).engine.cache.allocator.prefix_caching is caching
