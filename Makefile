@@ -1,4 +1,4 @@
-# Two commands for a newcomer: `make demo` (train a small GPT, then sample from it)
+# Two commands for a newcomer: `make demo` (train a small LLaMA-style model, then sample from it)
 # and `make test` (the test suite). Both set up .venv first.
 #
 # The venv sees the system's packages, so a CUDA build of torch already installed on a
