@@ -22,6 +22,9 @@ def _parser() -> argparse.ArgumentParser:
     to_tessera.add_argument("--output", required=True, metavar="CKPT_DIR")
     to_tessera.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                             help="pad the vocabulary for tensor parallelism (Megatron's flag) [128]")
+    to_tessera.add_argument("--peft-adapter", metavar="ADAPTER_DIR",
+                            help="a PEFT LoRA adapter of the --input model: write a LoRA checkpoint holding both "
+                            "(generate/serve merge it; train further with --pretrained-checkpoint and --lora-rank)")
     to_hf = sub.add_parser("tessera-to-hf", help="tessera checkpoint (its newest) -> HF directory, with the "
                            "checkpoint's tokenizer and generation_config.json")
     to_hf.add_argument("--input", required=True, metavar="CKPT_DIR")
@@ -44,8 +47,9 @@ def main(argv: list[str]) -> int:
 
     try:
         if args.direction == "hf-to-tessera":
-            hf_to_tessera(args.input, args.output, vocab_multiple=args.make_vocab_size_divisible_by)
-            written = ""
+            hf_to_tessera(args.input, args.output, vocab_multiple=args.make_vocab_size_divisible_by,
+                          peft_adapter=args.peft_adapter)
+            written = f" with the adapters of {args.peft_adapter}" if args.peft_adapter else ""
         else:
             tokenizer = tessera_to_hf(args.input, args.output, family=args.model_type, dtype=args.dtype,
                                       max_shard_bytes=int(args.max_shard_size_gb * 2**30),

@@ -335,16 +335,25 @@ def load_hf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device:
     return model.to(dtype).eval()
 
 
-def hf_to_tessera(hf_dir: str | os.PathLike, checkpoint_dir: str | os.PathLike, *, vocab_multiple: int = 128) -> None:
+def hf_to_tessera(hf_dir: str | os.PathLike, checkpoint_dir: str | os.PathLike, *, vocab_multiple: int = 128,
+                  peft_adapter: str | os.PathLike | None = None) -> None:
     """Write the HF model at `hf_dir` as a tessera checkpoint (weights and model config, fp32), with the
     directory's tokenizer files (and generation config) beside it: `tessera generate --load` and
-    `tessera serve --load` find the tokenizer, chat template and EOS ids there."""
+    `tessera serve --load` find the tokenizer, chat template and EOS ids there. With `peft_adapter`
+    (a PEFT adapter of that model) the checkpoint is a LoRA one holding the base and the adapters
+    (tessera.interop.hf_peft.peft_checkpoint_state)."""
     from tessera.data.tokenizers import copy_tokenizer_files, hf_tokenizer_files
     from tessera.training.checkpoint_files import save_model_checkpoint
 
     hf_config, tensors = read_hf_dir(hf_dir)
     config = _with_mtp_layers(model_config_from_hf(hf_config, vocab_multiple=vocab_multiple), hf_config, tensors)
-    save_model_checkpoint(checkpoint_dir, config, tessera_state_from_hf(hf_config, tensors, config),
+    state, sections = tessera_state_from_hf(hf_config, tensors, config), None
+    if peft_adapter is not None:
+        from tessera.interop.hf_peft import peft_checkpoint_state
+
+        adapters, sections = peft_checkpoint_state(peft_adapter, config, hf_config["model_type"])
+        state.update(adapters)
+    save_model_checkpoint(checkpoint_dir, config, state, sections=sections,
                           extra_files={"hf_config.json": json.dumps(hf_config, indent=2, sort_keys=True)})
     copy_tokenizer_files(hf_tokenizer_files(hf_dir), checkpoint_dir)
 

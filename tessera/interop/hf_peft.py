@@ -5,6 +5,7 @@
     paths = import_peft(model, "adapter_dir")                             # adapters onto any TP rank / stage
     write_peft_adapter("adapter_dir", tensors, config, scale=..., dropout=...)   # from a checkpoint's tensors
     adapter = read_peft_adapter("adapter_dir", config)                    # full tensors by tessera name
+    tensors, sections = peft_checkpoint_state("adapter_dir", config)      # `tessera convert hf-to-tessera`
 
 A PEFT directory holds adapter_config.json (LoraConfig's fields) and adapter_model.safetensors,
 whose keys are `base_model.model.<HF module>.lora_A.weight` [r, in] and `...lora_B.weight`
@@ -265,6 +266,20 @@ def _fuse(found: list[tuple[int, dict | None, float | None]], scale: float) -> t
             column += rank
         row += rows
     return a, b
+
+
+def peft_checkpoint_state(path: str | os.PathLike, config: ModelConfig, family: str | None = None
+                          ) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """The PEFT adapter at `path` as a LoRA checkpoint holds it: its tensors by parameter name, and
+    the posttrain section of config.yaml (rank, alpha, dropout) with which a checkpoint is read
+    merged (tessera.posttrain.lora_checkpoint) and a run trains it further. An adapter of several
+    ranks records the most common one; the others' scales are folded into their B's."""
+    adapter = read_peft_adapter(path, config, family)
+    if not adapter.tensors:
+        raise ConfigError(f"{path}: the adapter holds no LoRA weights")
+    rank = Counter(adapter.ranks.values()).most_common(1)[0][0]
+    return adapter.tensors, {"posttrain": {"lora_rank": rank, "lora_alpha": _number(adapter.scale * rank),
+                                           "lora_dropout": adapter.dropout}}
 
 
 @torch.no_grad()

@@ -336,6 +336,9 @@ class Checkpointer:
         from tessera.posttrain.lora import is_adapter_parameter
 
         state = model_state(model)
+        if not self.config.posttrain.lora and any(is_adapter_parameter(key) for key in metadata):
+            raise ConfigError(f"{directory} holds LoRA adapters: train them with the checkpoint's --lora-rank and "
+                              "--lora-alpha (its config.yaml), or merge them first (tessera convert tessera-to-hf)")
         frozen = {f"model.{name}" for name, param in model.named_parameters() if not param.requires_grad}
         if any(key in frozen and key not in metadata for key in state) and \
                 self.options.pretrained_checkpoint is None:

@@ -155,10 +155,12 @@ def saved_run_config(directory: Path) -> dict[str, Any]:
 # -- weights-only checkpoints (Hugging Face conversion, generation) ----------------------
 
 def save_model_checkpoint(root: str | os.PathLike, model: ModelConfig, tensors: dict[str, torch.Tensor],
-                          extra_files: dict[str, str] | None = None) -> None:
-    """A checkpoint of full weights at iteration 0, from one process (--load DIR --finetune)."""
+                          extra_files: dict[str, str] | None = None, sections: dict[str, dict] | None = None) -> None:
+    """A checkpoint of full weights at iteration 0, from one process (--load DIR --finetune);
+    `sections` adds to its config.yaml (a LoRA checkpoint's posttrain settings)."""
     state = {f"model.{name}": whole(t) for name, t in tensors.items()}
-    write_checkpoint(iteration_dir(root, 0), state, {"model": dataclasses.asdict(model)}, extra_files=extra_files)
+    write_checkpoint(iteration_dir(root, 0), state, {"model": dataclasses.asdict(model), **(sections or {})},
+                     extra_files=extra_files)
 
 
 @dataclasses.dataclass

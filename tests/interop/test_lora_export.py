@@ -1,5 +1,5 @@
 """A LoRA checkpoint out of tessera: merged into its base for transformers, or as a PEFT adapter
-beside its base (PEFT as the oracle), and into generation."""
+beside its base (PEFT as the oracle), and into generation; and a PEFT adapter back in."""
 
 import pytest
 import torch
@@ -71,3 +71,33 @@ def test_generation_loads_a_lora_checkpoint_with_its_base_merged(lora_run):
     model, _ = load_model(load=str(root / "out"), dtype=torch.float32)
     with torch.no_grad():
         torch.testing.assert_close(model(tokens)[..., :256], logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_peft_adapter_imports_as_a_lora_checkpoint(lora_run, capsys):
+    from safetensors.torch import load_file
+
+    from tessera.inference.loading import load_model
+
+    root, tokens, logits = lora_run
+    assert run(["convert", "tessera-to-hf", "--input", str(root / "out"), "--output", str(root / "peft-base"),
+                "--peft-adapter", str(root / "peft")]) == 0
+    assert run(["convert", "hf-to-tessera", "--input", str(root / "peft-base"), "--output", str(root / "imported"),
+                "--peft-adapter", str(root / "peft")]) == 0
+    model, _ = load_model(load=str(root / "imported"), dtype=torch.float32)   # merged for generation
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens)[..., :256], logits, rtol=1e-5, atol=1e-5)
+    # Back out as the same adapter, bit for bit.
+    assert run(["convert", "tessera-to-hf", "--input", str(root / "imported"), "--output", str(root / "again"),
+                "--peft-adapter", str(root / "peft-again")]) == 0
+    adapter, again = (load_file(root / name / "adapter_model.safetensors") for name in ("peft", "peft-again"))
+    assert adapter.keys() == again.keys()
+    for key, tensor in adapter.items():
+        assert torch.equal(again[key], tensor), key
+    # A LoRA run starts from the imported adapters; a full fine-tune is told to merge them first.
+    start = [*RUN, "--pretrained-checkpoint", str(root / "imported"), "--train-iters", "1"]
+    trainer = Trainer(parse_run_config(start + ["--lora-rank", "4", "--lora-alpha", "8"], world_size=1)[0])
+    with torch.no_grad():
+        torch.testing.assert_close(trainer.model.eval()(tokens)[..., :256], logits, rtol=1e-5, atol=1e-5)
+    with pytest.raises(SystemExit):
+        run(["train", *start])
+    assert "holds LoRA adapters: train them with the checkpoint's --lora-rank" in capsys.readouterr().err
