@@ -1,4 +1,4 @@
-"""FP8 against bf16 on real text (issue 14's loss parity): one model, data, seed and schedule,
+"""FP8 against bf16 on real text (loss parity): one model, data, seed and schedule,
 trained in bf16 and with FP8 linears per recipe, validated every --eval-interval steps.
 
     python bench/fp8_loss_parity.py [--steps 1000] [--recipes bf16 tensorwise blockwise] [--at-once]

@@ -1,5 +1,5 @@
 """Generation speed of tessera's engine on config B's shape (LLaMA-style 1.2B, random weights,
-bf16), beside Hugging Face's generate() (shared/anchors/hf_generate.py, run in the same call).
+bf16), beside Hugging Face's generate() with a static cache and torch.compile, run on the same machine.
 
     python bench/generate.py [--batches 1 32] [--prompt 128] [--new 256] [--modes compiled graphs eager]
 
@@ -36,7 +36,7 @@ from tessera.inference.sampling import SamplingParams  # noqa: E402
 from tessera.models.gpt import GPTModel, initialize_parameters  # noqa: E402
 
 CONFIGS = {
-    # shared/anchors/common.py CONFIGS["B"]; positions as the anchor's LlamaConfig (4096)
+    # bench/train_mfu.py's config B; positions as the reference's LlamaConfig (4096)
     "B": dict(num_layers=24, hidden_size=2048, num_attention_heads=16, group_query_attention=True,
               num_query_groups=4, ffn_hidden_size=5632, seq_length=2048, max_position_embeddings=4096,
               vocab_size=32000, rotary_base=500000.0),

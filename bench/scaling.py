@@ -1,4 +1,4 @@
-"""Weak and strong scaling ladders on one 8-GPU host, each point beside `tessera plan`'s prediction (issue 17).
+"""Weak and strong scaling ladders on one 8-GPU host, each point beside `tessera plan`'s prediction.
 
     python bench/scaling.py --ladder weak|strong|moe --out DIR [--gpus 1 2 4 8] [--dry-run] [-- FP8 flags]
     python bench/scaling.py --figures DIR        # draw DIR/weak.png and DIR/strong.png from its JSON

@@ -14,10 +14,10 @@ A: GPT 1.3B (24 x 2048, 16 heads, GeLU ffn 8192, LayerNorm, learned positions, v
    attention in 12 layers, each with 64 experts (ffn 768), top-8, micro-batch 4. C: a coarse
    MoE, 12 such layers with 8 experts (ffn 5632), top-2. MoE: dropless, aux loss 1e-2,
    grouped GEMMs; MFU counts active FLOPs (Megatron's formula). L8: 8 of LLaMA-3-8B's layers,
-   micro-batch 4 (issue 14's 8B-shaped FP8 pair). All: seq 2048, micro-batch 8
+   micro-batch 4 (the 8B-shaped FP8 pair). All: seq 2048, micro-batch 8
    unless said, bf16 autocast over fp32 master weights, AdamW (0.9, 0.95, wd 0.1), clip 1.0,
-   dropout 0, no recompute: exactly the shapes and timing of shared/anchors/NOTES.md, so the
-   numbers compare with the peers' (10 warm-up steps, then 20 timed steps with a device sync
+   dropout 0, no recompute: exactly the shapes and timing of the references in
+   docs/performance.md, so the numbers compare with theirs (10 warm-up steps, then 20 timed steps with a device sync
    at both ends).
 Prints one table row and writes JSON. With pipeline parallelism it also runs
 --bubble-steps more steps, each followed by a device sync, and reports every stage's
@@ -53,7 +53,7 @@ _MOE = ["--model", "llama-1.2b", "--num-layers", "12", "--moe-aux-loss-coeff", "
 CONFIGS = {
     "A": ["--model", "gpt3-1.3b"],          # vocab 50257 is padded to 50304 (multiple of 128)
     "B": ["--model", "llama-1.2b"],
-    # M: the anchors' fine-grained MoE (shared/anchors/common.py): 64 experts, top-8, expert ffn 768, micro-batch 4
+    # M: the references' fine-grained MoE: 64 experts, top-8, expert ffn 768, micro-batch 4
     "M": _MOE + ["--num-experts", "64", "--moe-router-topk", "8", "--moe-ffn-hidden-size", "768",
                  "--micro-batch-size", "4"],
     # C: a coarse MoE (Mixtral-like): 8 experts, top-2, expert ffn 5632 (B's MLP), micro-batch 8

@@ -1,4 +1,4 @@
-"""Issue 16's runs on two GPUs of one host, each beside `tessera plan --explain`'s prediction of its layout.
+"""Runs on two GPUs of one host, each beside `tessera plan --explain`'s prediction of its layout.
 
     python bench/two_gpus.py --out DIR [--only NAME ...] [--budget-s 540] [--dry-run]
 
@@ -8,8 +8,8 @@ overlapped transfers; config B with CP=2 at 32k and 64k tokens for each --cp-com
 with EP=2 for each dispatcher; config B in FP8 at DP=2 with and without --fp8-param-gather.
 DIR/two_gpus.json holds every run's command, the planner's prediction (DGX H200) and, once run,
 train_mfu.py's result; it is rewritten after each run, and a run that would start with less than
-its expected time left in --budget-s is skipped (a later call takes it with --only). The anchors'
-own two-GPU rows are shared/anchors/run_x2.sh, to run in the same call.
+its expected time left in --budget-s is skipped (a later run takes it with --only). Run the
+references' two-GPU rows on the same machine in the same run.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ k and v go into the cache at the tokens' slots, then
   or FlashAttention's variable-length kernel on CUDA);
 - each continued row attends to its whole context with a causal mask aligned to the
   bottom right: query i of L sits at position C - L + i of a context of C. (SDPA's
-  `is_causal` aligns the top left, wrong whenever L < C: shared/reference/inference-post.md 3.)
+  `is_causal` aligns the top left, wrong whenever L < C: PyTorch's torch.nn.attention.bias,
+  causal_upper_left against causal_lower_right.)
 
 Multi-latent attention calls `LatentLayerCache.attend_latent` instead (tessera.models.mla's
 hook): the cache keeps each token's latent and positional key, and every read of the context

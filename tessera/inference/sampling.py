@@ -7,7 +7,8 @@ Order, as Hugging Face's logits processors: repetition penalty, presence and fre
 penalties, min_tokens (stop tokens masked), then for sampled rows temperature, top-k, top-p,
 min-p, and a draw; temperature 0 takes the argmax of the penalised logits (greedy).
 
-Semantics, and where Megatron's differ (shared/reference/inference-post.md 1.8, 4):
+Semantics, and where Megatron's differ (megatron/core/inference/sampling_params.py, SamplingParams;
+transformers' generation/logits_process.py):
 - repetition_penalty: Hugging Face's (CTRL): every distinct token of the prompt and the
   output so far has its logit divided by the penalty when positive, multiplied when negative.
 - presence/frequency penalties: OpenAI's: minus presence once per token that occurs in the

@@ -6,7 +6,8 @@ in memory ([E, 2I, H] / [E, H, I]) and per expert on disk, the ungated `mlp.shar
 (n_shared_experts x moe_intermediate_size wide), `mlp.gate.e_score_correction_bias` <->
 router.expert_bias, and the multi-token prediction layers stored after the last layer.
 
-Config (shared/reference/moe.md 3.1, 4.3), in Megatron's flags:
+Config (transformers' DeepseekV3Config; Megatron's MLATransformerConfig in
+megatron/core/transformer/transformer_config.py), in Megatron's flags:
 
     q_lora_rank (null: one q_proj), kv_lora_rank      --q-lora-rank, --kv-lora-rank
     qk_nope_head_dim, qk_rope_head_dim, v_head_dim    --qk-head-dim, --qk-pos-emb-head-dim, --v-head-dim

@@ -14,7 +14,7 @@ The erf form is bound by instruction issue, not bandwidth: with libdevice's erf 
 polynomial and an exp of its own, beside the slope's exp) the forward ran at 2.76 TB/s on an
 H200. The normal tail written as exp(-h^2/2) times a polynomial (below), one exp for value and
 slope, took A's 16384x8192 forward from 195 to 167 us (3.22 TB/s) and the backward from 271 to
-258: a step's GeLU from 11.2 to 10.2 ms (docs/performance.md, 22nd session). fc1's bias added
+258: a step's GeLU from 11.2 to 10.2 ms (docs/performance-notes.md, 2026-12-04). fc1's bias added
 here and its gradient summed in the backward's pass was tried and not kept: the column sums
 slowed the backward by more than the separate sum's 70 us. Without CUDA and Triton the same
 maths runs in PyTorch's own GeLU ops.

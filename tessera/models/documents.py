@@ -46,7 +46,7 @@ def default_backend(device: torch.device, dtype: torch.dtype, dropout: bool) -> 
     varlen where FlashAttention takes the dtype, flex for fp32 or a torch without varlen.
     Forward + backward on an H200, torch 2.11, bf16, heads of 128 (first measurements,
     not yet a sweep): 8 documents x 1024, 32 heads: varlen 1.39 ms, flex 2.19
-    (shared/reference/cp-fp8.md B.3-B.4); 8k tokens in 10 documents, 32 heads over 8 KV
+    (a first probe, no script kept); 8k tokens in 10 documents, 32 heads over 8 KV
     groups: flex 1.45 ms, varlen 1.77 (dense mask 12.3, per-document 19.0); 32k tokens in
     32 documents: varlen 7.46 ms, flex 9.36. Flex's first block mask compiles for ~1 min.
     """

@@ -12,7 +12,9 @@ YaRN ramps `keep` down over the dimension index across its correction range; lla
 the number of turns in the original context, between low_freq_factor and high_freq_factor.
 YaRN also multiplies cos and sin by a concentration factor mscale(s, mscale) /
 mscale(s, mscale_all_dim) with mscale(s, m) = 0.1 m ln s + 1 (Megatron's and Hugging Face's
-formulas, shared/reference/moe.md 3.2).
+formulas: _yarn_get_mscale in Megatron's
+megatron/core/models/common/embeddings/yarn_rotary_pos_embedding.py, _compute_yarn_parameters in
+transformers' modeling_rope_utils.py; YaRN, arXiv:2309.00071).
 
 Tables are computed in float64 and stored in float32: the angles of late positions are
 large, and float32 inverse frequencies would shift them by many ulps.

@@ -68,7 +68,7 @@ def test_flops_json_and_mfu():
                      "--gpu", "h200", "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    assert report["parameters"] == 1_315_819_520     # config A of shared/anchors/NOTES.md
+    assert report["parameters"] == 1_315_819_520     # config A of bench/train_mfu.py (GPT 1.3B)
     tflops = 8 * 2048 * report["flops_per_token"] / 0.2746 / 1e12
     assert report["tflops_per_gpu"] == pytest.approx(tflops)
     assert report["mfu"] == pytest.approx(tflops / 989.0)

@@ -45,7 +45,7 @@ def _expert_groups(layouts):
 
 
 def test_expert_groups_fold_as_megatron_does():
-    """Megatron's generator on 8 ranks (shared/reference/moe.md 1.8): TP2 DP4 with EP4 ETP1, and with EP2 ETP2."""
+    """Megatron's RankGenerator (megatron/core/parallel_state.py) on 8 ranks: TP2 DP4 with EP4 ETP1, and EP2 ETP2."""
     results = run_distributed(_expert_groups, 8, [(2, 4, 1), (2, 2, 2)])
     for rank, (folded, halves) in enumerate(results):
         assert folded["tp"] == [rank - rank % 2, rank - rank % 2 + 1] and folded["dp"] == list(range(rank % 2, 8, 2))

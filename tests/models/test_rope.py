@@ -1,5 +1,5 @@
 """RoPE scaling: YaRN and llama3 inverse frequencies and factors against transformers' own
-rope initialisation functions and against the formulas of shared/reference/moe.md 3.2
+rope initialisation functions and against YaRN's formulas (Megatron's yarn_rotary_pos_embedding.py)
 (DeepSeek-V3's published correction range 10..23); the interleaved rotation against HF's;
 the flags' resolution and bad combinations.
 
@@ -60,7 +60,7 @@ def test_yarn_matches_transformers(case):
 def test_yarn_matches_the_formulas_and_deepseek_v3s_published_range():
     dim, theta, s, original = 64, 10000.0, 40.0, 4096
     scaling = YarnScaling(s, original, 32.0, 1.0, mscale=1.0, mscale_all_dim=1.0)
-    assert scaling.correction_range(dim, theta) == (10, 23)   # DeepSeek-V3, shared/reference/moe.md 3.2
+    assert scaling.correction_range(dim, theta) == (10, 23)   # DeepSeek-V3's YaRN settings: dims 10..23
     correction = [dim * math.log(original / (2 * math.pi * r)) / (2 * math.log(theta)) for r in (32.0, 1.0)]
     assert correction == pytest.approx([10.47, 22.51], abs=0.005)
     low, high = max(math.floor(correction[0]), 0), min(math.ceil(correction[1]), dim - 1)
