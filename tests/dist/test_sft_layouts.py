@@ -65,3 +65,11 @@ def test_lora_sft_layouts_match_one_process(data):
     results = run_distributed(train_layouts, 2, data, LORA_LAYOUTS)[0]
     for name, result in results.items():
         assert_equivalent(reference, result, name)
+
+
+def test_lora_on_routed_experts_under_expert_parallelism(data):
+    """The experts' adapters (in the default targets) split with their experts over EP ranks."""
+    moe_lora = ["--model", "tiny-moe", *LORA]
+    reference = train(data + moe_lora)
+    results = run_distributed(train_layouts, 2, data, {"LoRA EP=2": moe_lora + ["--expert-model-parallel-size", "2"]})
+    assert_equivalent(reference, results[0]["LoRA EP=2"], "LoRA EP=2")
