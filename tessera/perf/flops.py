@@ -37,6 +37,17 @@ routed experts and the shared expert, G*h*(k*f_moe + f_shared); the router's h x
 is not counted. So MFU is measured on active parameters. (Before March 2025 Megatron
 counted k*f with the dense f and no shared expert: the same for Mixtral, where f_moe = f.)
 
+A hybrid stack (--hybrid-layer-pattern) counts each layer by its kind, as Megatron's hybrid_flops
+(megatron/training/training.py, num_floating_point_operations): the attention terms for `*`
+layers only, the MLP or MoE term for `-` and `E` layers, and for each Mamba-2 layer `M`, with
+d = heads x head dim inner channels, g groups, N the state size and n heads,
+
+    mamba = 6 * h * (2*d + 2*g*N + n)     in_proj
+          + 3 * 7 * d * N                 the scan (Megatron's estimate)
+          + 6 * d * h                     out_proj
+
+(Megatron writes d = 2h, which it is unless --mamba-num-heads says otherwise.)
+
 Multi-token prediction (--mtp-num-layers D), as Megatron counts it: each depth is one more
 layer of the last layer's kind (attention, core attention and MLP terms), plus its norms and
 projection 6 * (3h + 2h^2), and one more pass through the output layer, 6 * h*V.
@@ -120,17 +131,54 @@ def _core_attention_width(config: ModelConfig) -> int:
 
 def layer_parameters(config: ModelConfig) -> list[LayerParameters]:
     """Exact parameters of each block of GPTModel(config)."""
-    h = config.hidden_size
+    if config.hybrid_layer_pattern is not None:
+        return _hybrid_layer_parameters(config)
     common = _attention_params(config) + 2 * _norm_params(config)
     dense = LayerParameters(common + _mlp_params(config, config.ffn_hidden_size), 0)
     if config.num_experts is None:
         return [dense] * config.num_layers
-    router = config.num_experts * h + h * config.moe_shared_expert_gate
+    moe = _moe_params(config)
+    moe = LayerParameters(common + moe.dense, moe.experts)
+    return [moe if is_moe else dense for is_moe in config.moe_layers()]
+
+
+def _moe_params(config: ModelConfig) -> LayerParameters:
+    """A MoE block without its norm: the router and shared expert, and the routed experts."""
+    h = config.hidden_size
+    router = config.num_experts * (h + config.add_bias_linear) + h * config.moe_shared_expert_gate
     shared_ffn = config.moe_shared_expert_intermediate_size
     shared = _mlp_params(config, shared_ffn) if shared_ffn else 0
-    experts = config.num_experts * _mlp_params(config, config.moe_ffn_hidden_size)
-    moe = LayerParameters(common + router + shared, experts)
-    return [moe if is_moe else dense for is_moe in config.moe_layers()]
+    return LayerParameters(router + shared, config.num_experts * _mlp_params(config, config.moe_ffn_hidden_size))
+
+
+def _mamba_shape(config: ModelConfig) -> tuple[int, int, int]:
+    """(inner channels d, B and C's channels g*N, heads n) of a Mamba-2 mixer."""
+    heads = config.mamba_num_heads
+    return heads * config.mamba_head_dim, config.mamba_num_groups * config.mamba_state_dim, heads
+
+
+def _mamba_params(config: ModelConfig) -> int:
+    """in_proj, conv (weights of CONV_KERNEL taps and a bias per channel), dt_bias, A_log, D, the gated
+    norm and out_proj (tessera.models.mamba)."""
+    from tessera.models.mamba import CONV_KERNEL
+
+    h, (inner, states, heads) = config.hidden_size, _mamba_shape(config)
+    projected = 2 * inner + 2 * states + heads
+    biases = (projected + h) * config.add_bias_linear
+    return h * projected + (inner + 2 * states) * (CONV_KERNEL + 1) + 3 * heads + inner + inner * h + biases
+
+
+def _hybrid_layer_parameters(config: ModelConfig) -> list[LayerParameters]:
+    from tessera.config.hybrid import ATTENTION, MAMBA, MLP, layer_symbols
+
+    norm = _norm_params(config)
+    kinds = {MAMBA: LayerParameters(norm + _mamba_params(config), 0),
+             ATTENTION: LayerParameters(norm + _attention_params(config), 0),
+             MLP: LayerParameters(norm + _mlp_params(config, config.ffn_hidden_size), 0)}
+    if config.num_experts is not None:
+        moe = _moe_params(config)
+        kinds["E"] = LayerParameters(norm + moe.dense, moe.experts)
+    return [kinds[symbol] for symbol in layer_symbols(config.hybrid_layer_pattern)]
 
 
 def count_parameters(config: ModelConfig, vocab_size: int | None = None) -> ParamCount:
@@ -155,7 +203,17 @@ def _mlp_widths(config: ModelConfig) -> list[int]:
     experts' and the shared expert's together (the router is not counted, as in Megatron)."""
     routed = config.moe_router_topk * (config.moe_ffn_hidden_size or 0)
     moe = routed + (config.moe_shared_expert_intermediate_size or 0)
-    return [moe if is_moe else config.ffn_hidden_size for is_moe in config.moe_layers(with_mtp=True)]
+    with_mlp = [True] * (config.num_layers + (config.mtp_num_layers or 0))
+    if config.hybrid_layer_pattern is not None:   # only the MLP and MoE layers have one
+        with_mlp = [symbol in "-E" for symbol in _hybrid_symbols(config)]
+    return [moe if is_moe else config.ffn_hidden_size
+            for is_moe, has_mlp in zip(config.moe_layers(with_mtp=True), with_mlp) if has_mlp]
+
+
+def _hybrid_symbols(config: ModelConfig) -> list[str]:
+    from tessera.config.hybrid import layer_symbols
+
+    return layer_symbols(config.hybrid_layer_pattern)
 
 
 def flops_per_token(config: ModelConfig, seq_length: int | None = None, vocab_size: int | None = None,
@@ -170,11 +228,22 @@ def flops_per_token(config: ModelConfig, seq_length: int | None = None, vocab_si
     mtp = depths * (3 * h + 2 * h * h)   # Megatron's count of the depths' norms and projections
     linear = layers * projections + gated * h * sum(_mlp_widths(config)) + mtp + h * vocab * (1 + depths)
     attention = layers * _core_attention_width(config) * s * (1 if causal else 2)
-    return 6.0 * (linear + attention)
+    return 6.0 * (linear + attention) + _mamba_flops(config)
+
+
+def _mamba_flops(config: ModelConfig) -> float:
+    """Megatron's count of the Mamba-2 layers per token (forward + backward)."""
+    if config.hybrid_layer_pattern is None:
+        return 0.0
+    h, (inner, states, heads) = config.hidden_size, _mamba_shape(config)
+    per_layer = 6 * h * (2 * inner + 2 * states + heads) + 3 * 7 * inner * config.mamba_state_dim + 6 * inner * h
+    return float(_hybrid_symbols(config).count("M") * per_layer)
 
 
 def _attention_layers(config: ModelConfig) -> int:
-    """Layers with attention: the model's, and one per MTP depth."""
+    """Layers with attention: the model's (a hybrid stack's `*` layers), and one per MTP depth."""
+    if config.hybrid_layer_pattern is not None:
+        return _hybrid_symbols(config).count("*")
     return config.num_layers + (config.mtp_num_layers or 0)
 
 
