@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.config import ConfigError, RunConfig
+from tessera.config.hybrid import stage_ranges
 from tessera.models.documents import default_backend
 from tessera.models.gpt import GPTModel, Recompute, initialize_parameters
 from tessera.parallel.context import ContextParallel
@@ -258,7 +259,8 @@ class Trainer:
         parallel, mesh = self.config.parallel, self.mesh
         if mesh.pp_size == 1:
             return {}
-        ranges = stage_layer_ranges(
+        pattern = self.config.model.hybrid_layer_pattern   # its '|' place the stages' boundaries
+        ranges = (pattern and stage_ranges(pattern, mesh.pp_size)) or stage_layer_ranges(
             self.config.model.num_layers, mesh.pp_size, parallel.virtual_pipeline_size(self.config.model.num_layers),
             first_stage_layers=parallel.decoder_first_pipeline_num_layers,
             last_stage_layers=parallel.decoder_last_pipeline_num_layers)
