@@ -50,6 +50,17 @@ _SIGMOID_ROUTER = dict(moe_router_score_function="sigmoid", moe_router_enable_ex
                        moe_router_load_balancing_type=["seq_aux_loss"], moe_aux_loss_coeff=[1e-4])
 
 
+def _hybrid(pattern: str, hidden: int, heads: int, groups: int, ffn: int, vocab: int, seq: int, **extra) -> dict:
+    """A Megatron-Core hybrid stack (examples/mamba/train.sh): one layer per symbol of `pattern`, no
+    positions, RMSNorm, GeLU MLPs, no biases, untied output, no dropout, GQA; the Mamba-2 layers at
+    Megatron's defaults (state 128, heads of 64 channels, 8 groups, 2 x hidden inner channels)."""
+    return dict(hybrid_layer_pattern=pattern, hidden_size=hidden, num_attention_heads=heads,
+                group_query_attention=True, num_query_groups=groups, ffn_hidden_size=ffn, vocab_size=vocab,
+                seq_length=seq, max_position_embeddings=seq, position_embedding_type="none", normalization="RMSNorm",
+                disable_bias_linear=True, untie_embeddings_and_output_weights=True, hidden_dropout=0.0,
+                attention_dropout=0.0, **extra)
+
+
 def _llama(layers: int, hidden: int, heads: int, groups: int, ffn: int, vocab: int, seq: int, **extra) -> dict:
     gqa = dict(group_query_attention=True, num_query_groups=groups) if groups != heads else {}
     return dict(_LLAMA, num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
@@ -121,9 +132,16 @@ PRESETS: dict[str, dict] = {
                          **_yarn(32.0, 1.0, beta_fast=1.0, beta_slow=1.0),
                          **_moe(384, 8, 2048, **_SIGMOID_ROUTER, moe_router_topk_scaling_factor=2.827,
                                 moe_shared_expert_intermediate_size=2048)),
+    # The Mamba-2 hybrid of "An Empirical Study of Mamba-based Language Models" (arXiv 2406.07887):
+    # 56 layers, 24 Mamba-2, 4 attention, 28 MLP; its 256K-token vocabulary
+    "mamba2-hybrid-8b": _hybrid("M-M-M--M-M*-M-M-M-M--M*-M-M-M-M-M*--M-M-M-M-M*-M--M-M-M-", 4096, 32, 8, 16384,
+                                256000, 4096),
     # Tiny shapes for tests and CPU demos
     "tiny-gpt": dict(_gpt(2, 64, 4, 64), vocab_size=256, make_vocab_size_divisible_by=8),
     "tiny-llama": dict(_llama(2, 64, 4, 2, 176, 256, 64), make_vocab_size_divisible_by=8),
+    # Mamba-2, attention and MLP layers: 8 SSM heads of 16 channels in 2 groups, state 16
+    "tiny-hybrid": _hybrid("M*-M-", 64, 4, 2, 128, 256, 64, mamba_state_dim=16, mamba_head_dim=16,
+                           mamba_num_groups=2, make_vocab_size_divisible_by=8),
     # 4 layers, the first dense; 4 experts, top-2, a shared expert, aux loss on
     "tiny-moe": dict(_llama(4, 64, 4, 2, 176, 256, 64, moe_layer_freq="([0]*1+[1]*3)",
                             **_moe(4, 2, 48, moe_aux_loss_coeff=[1e-2], moe_shared_expert_intermediate_size=32)),
