@@ -30,8 +30,10 @@ from pathlib import Path
 import torch
 
 from tessera.config import ConfigError, ModelConfig
-from tessera.interop import hf_deepseek
-from tessera.interop.hf_config import UnsupportedModel, hf_config_from_model, infer_family, model_config_from_hf
+from tessera.interop import hf_deepseek, hf_mamba
+from tessera.interop.hf_config import (
+    MAMBA_FAMILIES, UnsupportedModel, hf_config_from_model, infer_family, model_config_from_hf,
+)
 
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -116,7 +118,9 @@ def tessera_state_from_hf(hf_config: dict, hf: dict[str, torch.Tensor], model: M
     """Full (unsharded) tessera parameters from HF tensors."""
     vocab = model.padded_vocab_size()
     out: dict[str, torch.Tensor] = {}
-    if hf_config["model_type"] == "gpt2":
+    if hf_config["model_type"] in MAMBA_FAMILIES:
+        out = hf_mamba.state_from_hf(hf, model, _pad_rows)
+    elif hf_config["model_type"] == "gpt2":
         hf = {name.removeprefix("transformer."): t for name, t in hf.items()}
         out["embedding.weight"] = _pad_rows(hf["wte.weight"], vocab)
         out["position_embedding.weight"] = hf["wpe.weight"]
@@ -147,7 +151,9 @@ def hf_state_from_tessera(state: dict[str, torch.Tensor], model: ModelConfig, fa
     """HF tensors (names of `family`) from full tessera parameters."""
     vocab = model.vocab_size
     out: dict[str, torch.Tensor] = {}
-    if family == "gpt2":
+    if family in MAMBA_FAMILIES:
+        out = hf_mamba.state_to_hf(state, model)
+    elif family == "gpt2":
         out["transformer.wte.weight"] = state["embedding.weight"][:vocab]
         out["transformer.wpe.weight"] = state["position_embedding.weight"]
         for i in range(model.num_layers):

@@ -4,11 +4,11 @@ Families: Llama (2, 3), Mistral (without a sliding window), Qwen2/2.5 (QKV bias)
 and three Mixture-of-Experts families: Mixtral, Qwen2-MoE (also Qwen1.5-MoE: QKV bias, a
 sigmoid-gated shared expert) and Qwen3-MoE (per-head QK norm); DeepSeek-V2 and -V3 (and
 Kimi-K2's checkpoints, DeepSeek-V3's code) with multi-latent attention, their fields in
-tessera.interop.hf_deepseek. Anything the tessera
-model would compute differently (a RoPE scaling other than llama3 or yarn, a sliding
-window, biases tessera has no place for, another activation, router jitter) is refused
-with a message naming the HF field, rather than converted into a model that silently
-disagrees.
+tessera.interop.hf_deepseek; Mamba-2 (a hybrid stack of M layers), in
+tessera.interop.hf_mamba. Anything the tessera model would compute differently (a RoPE
+scaling other than llama3 or yarn, a sliding window, biases tessera has no place for, another
+activation, router jitter) is refused with a message naming the HF field, rather than converted
+into a model that silently disagrees.
 
 transformers 5 writes the RoPE base and scaling inside `rope_parameters`; 4.x wrote
 `rope_theta` and `rope_scaling` at the top level. Both are read (`rope_scaling` first, as
@@ -39,7 +39,9 @@ MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 # Multi-latent attention families (tessera.interop.hf_deepseek): model_type -> architecture
 DEEPSEEK_FAMILIES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                      "kimi_k2": "DeepseekV3ForCausalLM"}
-FAMILIES = (*LLAMA_LIKE, *DEEPSEEK_FAMILIES, "gpt2")
+# Hybrid stacks of Mamba-2 layers (tessera.interop.hf_mamba): model_type -> architecture
+MAMBA_FAMILIES = {"mamba2": "Mamba2ForCausalLM"}
+FAMILIES = (*LLAMA_LIKE, *DEEPSEEK_FAMILIES, *MAMBA_FAMILIES, "gpt2")
 _GPT2_ACTIVATIONS = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu": False}  # -> openai_gelu
 _QKV_BIAS = ("qwen2", "qwen2_moe")
 # Families whose sliding window is off unless use_sliding_window says otherwise.
@@ -149,6 +151,10 @@ def model_config_from_hf(hf: dict[str, Any], *, vocab_multiple: int = 128) -> Mo
         from tessera.interop import hf_deepseek   # it builds on this module
 
         return hf_deepseek.model_config_from_hf(hf, vocab_multiple)
+    if family in MAMBA_FAMILIES:
+        from tessera.interop import hf_mamba   # it builds on this module
+
+        return hf_mamba.model_config_from_hf(hf, vocab_multiple)
     if family not in LLAMA_LIKE:
         raise UnsupportedModel(f"model_type '{family}' is not supported; tessera converts {', '.join(FAMILIES)}")
     defaults = _DEFAULTS.get(family, {})
@@ -269,6 +275,10 @@ def _gpt2_config(hf: dict[str, Any], vocab_multiple: int) -> ModelConfig:
 def infer_family(model: ModelConfig) -> str:
     """The HF family that computes what this tessera config computes; else one line naming the
     feature that none of them has."""
+    if model.hybrid_layer_pattern is not None:
+        from tessera.interop import hf_mamba
+
+        return hf_mamba.family_of(model)
     if model.multi_latent_attention:
         from tessera.interop import hf_deepseek
 
@@ -339,7 +349,11 @@ def hf_config_from_model(model: ModelConfig, family: str, base: dict[str, Any] |
     hf = dict(base or {})
     if base is not None and base.get("model_type") != family:
         hf = {}  # another family's fields would not mean the same thing
-    if family == "gpt2":
+    if family in MAMBA_FAMILIES:
+        from tessera.interop import hf_mamba
+
+        hf_mamba.write_fields(hf, model, family)
+    elif family == "gpt2":
         hf.update(
             architectures=["GPT2LMHeadModel"], model_type="gpt2", n_layer=model.num_layers,
             n_embd=model.hidden_size, n_head=model.num_attention_heads, n_positions=model.max_position_embeddings,
