@@ -10,6 +10,7 @@ import yaml
 
 from tessera.config.data import DataConfig
 from tessera.config.fields import ConfigError, require
+from tessera.config.hybrid import PIPE, check_hybrid_layout, stage_ranges
 from tessera.config.model import ModelConfig
 from tessera.config.moe import check_expert_layout
 from tessera.config.parallel import ParallelConfig
@@ -88,6 +89,7 @@ class RunConfig:
         )
         parallel.virtual_pipeline_size(model.num_layers)  # checks --num-layers-per-virtual-pipeline-stage
         parallel.check_context_parallel_model(model)
+        self._check_hybrid()
         # Each context-parallel rank holds pieces of the sequence: the tokens a depth shifts in
         # would come from another rank's piece.
         require(not model.mtp_num_layers or parallel.context_parallel_size == 1,
@@ -126,6 +128,23 @@ class RunConfig:
                 f"pair is two (chosen, rejected): give an even number (got {self.train.micro_batch_size})")
         require(not self.model.mtp_num_layers, "--dpo with --mtp-num-layers is not supported (DPO scores the answers "
                 "with the LM head alone)")
+
+    def _check_hybrid(self) -> None:
+        """What the layout asks of a hybrid stack: Mamba-2 heads and groups split over TP, no CP, and
+        pipeline stages where the pattern's '|' put them (tessera.config.hybrid)."""
+        model, parallel = self.model, self.parallel
+        check_hybrid_layout(model, tp=parallel.tensor_model_parallel_size, cp=parallel.context_parallel_size)
+        pp = parallel.pipeline_model_parallel_size
+        if model.hybrid_layer_pattern is None or PIPE not in model.hybrid_layer_pattern or pp == 1:
+            return
+        require((parallel.decoder_first_pipeline_num_layers, parallel.decoder_last_pipeline_num_layers) == (None, None),
+                "--decoder-first/last-pipeline-num-layers do not combine with '|' in --hybrid-layer-pattern (the "
+                "pattern places the stages)")
+        chunks = len(stage_ranges(model.hybrid_layer_pattern, pp)) // pp
+        require(chunks == parallel.virtual_pipeline_size(model.num_layers),
+                f"--hybrid-layer-pattern's '|' cut {chunks * pp} stages, {chunks} per pipeline rank: give "
+                f"--virtual-pipeline-model-parallel-size {chunks} (or as many segments as "
+                f"--pipeline-model-parallel-size {pp})")
 
     def _check_experts(self) -> None:
         parallel = self.parallel
