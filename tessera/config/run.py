@@ -96,6 +96,7 @@ class RunConfig:
                 "--mtp-num-layers with --context-parallel-size > 1 is not supported (the MTP depths' shifted "
                 "tokens cross the context-parallel split)")
         self._check_dpo()
+        self._check_optimizer()
         self._check_experts()
         self._check_cuda_graph()
         if train.recompute_granularity == "full" and train.recompute_method == "uniform":
@@ -128,6 +129,24 @@ class RunConfig:
                 f"pair is two (chosen, rejected): give an even number (got {self.train.micro_batch_size})")
         require(not self.model.mtp_num_layers, "--dpo with --mtp-num-layers is not supported (DPO scores the answers "
                 "with the LM head alone)")
+
+    def _check_optimizer(self) -> None:
+        """What --optimizer sgd and muon take of the data-parallel layout (tessera.training.optimizer)."""
+        optimizer, parallel = self.optim.optimizer, self.parallel
+        # The distributed optimizer's own kernel is AdamW's.
+        require(not (optimizer == "sgd" and parallel.use_distributed_optimizer),
+                "--optimizer sgd with --use-distributed-optimizer is not supported yet (use --optimizer adam, or "
+                "--data-parallel-sharding-strategy no_shard)")
+        if optimizer != "muon":
+            return
+        # Newton-Schulz needs whole matrices: FSDP2 cuts every one over the data-parallel ranks.
+        require(not parallel.use_torch_fsdp2, "--optimizer muon does not combine with --use-torch-fsdp2 (a "
+                "--data-parallel-sharding-strategy of optim_grads or optim_grads_params); use "
+                "--use-distributed-optimizer, which gives each data-parallel rank whole matrices")
+        require(parallel.num_distributed_optimizer_instances == 1,
+                "--optimizer muon with --num-distributed-optimizer-instances > 1 is not supported yet")
+        require(not self.train.fp8_param_gather, "--optimizer muon does not combine with --fp8-param-gather (Muon's "
+                "matrices are gathered whole, in fp32)")
 
     def _check_hybrid(self) -> None:
         """What the layout asks of a hybrid stack: Mamba-2 heads and groups split over TP, no CP, and

@@ -6,11 +6,14 @@ from dataclasses import dataclass
 
 from tessera.config.fields import flag, option, positive, require
 
+MUON = "Muon (--optimizer muon)"
+
 @dataclass
 class OptimConfig:
-    """AdamW, learning-rate schedule and gradient clipping."""
+    """Optimizer (AdamW, SGD, Muon), learning-rate schedule and gradient clipping."""
 
-    optimizer: str = option("adam", "optimizer (AdamW semantics)", ("adam",))
+    optimizer: str = option("adam", "adam: AdamW; sgd: SGD with momentum; muon: Muon for the hidden layers' matrices "
+                            "and AdamW for the rest (docs/optimizers.md)", ("adam", "sgd", "muon"))
     lr: float = option(None, "peak learning rate", required=True)
     min_lr: float = option(0.0, "learning rate at the end of decay")
     lr_decay_style: str = option("linear", "learning-rate decay", ("constant", "linear", "cosine", "inverse-square-root", "WSD"))
@@ -32,6 +35,24 @@ class OptimConfig:
     adam_beta1: float = option(0.9, "Adam beta1")
     adam_beta2: float = option(0.999, "Adam beta2")
     adam_eps: float = option(1e-8, "Adam epsilon")
+    sgd_momentum: float = option(0.9, "--optimizer sgd: momentum factor")
+    muon_momentum: float = option(0.9, "--optimizer muon: momentum (an average of the gradients: B <- m B + (1 - m) G)",
+                                  group=MUON)
+    muon_nesterov: bool = option(False, "Nesterov momentum in Muon", group=MUON)
+    muon_no_split_qkv: bool = option(False, "orthogonalise the fused QKV weight whole, not as its Q, K and V",
+                                     group=MUON)
+    muon_num_ns_steps: int = option(5, "Newton-Schulz iterations per step", group=MUON)
+    muon_coefficient_type: str = option("quintic", "Newton-Schulz coefficients: simple (torch.optim.Muon's), quintic "
+                                        "(tuned per step; steps a multiple of 5), polar_express (at least 8 steps)",
+                                        ("simple", "quintic", "polar_express"), group=MUON)
+    muon_fp32_matmul_prec: str = option("medium", "Newton-Schulz maths: medium bf16, high fp32 with TF32 tensor "
+                                        "cores, highest fp32", ("medium", "high", "highest"), group=MUON)
+    muon_scale_mode: str = option("spectral", "scale of the orthogonalised update: spectral sqrt(max(m, n)), "
+                                  "unit_rms_norm sqrt(m / n), shape_scaling sqrt(max(1, m / n))",
+                                  ("spectral", "unit_rms_norm", "shape_scaling"), group=MUON)
+    muon_extra_scale_factor: float = option(1.0, "extra factor on Muon's update (0.2 with spectral: Moonlight's match "
+                                            "of AdamW's update RMS, so AdamW's --lr and --weight-decay carry over)",
+                                            group=MUON)
     clip_grad: float = option(1.0, "clip the global gradient norm to this (0 disables)")
     use_precision_aware_optimizer: bool = option(False, "keep the fp32 masters as remainders below the bf16 "
                                                  "weights, and let --exp-avg-dtype / --exp-avg-sq-dtype set the "
@@ -54,6 +75,7 @@ class OptimConfig:
             require(0 <= getattr(self, name) < 1, f"{flag(name)} must be in [0, 1)")
         positive(self, "adam_eps", "lr_decay_iters", "lr_wsd_decay_iters")
         require(self.weight_decay >= 0 and self.clip_grad >= 0, "--weight-decay and --clip-grad must be >= 0")
+        self._check_momentum()
         positive(self, "lr_decay_samples", "lr_wsd_decay_samples")
         require(self.decoupled_min_lr is None or self.decoupled_lr is not None,
                 "--decoupled-min-lr needs --decoupled-lr")
@@ -67,6 +89,11 @@ class OptimConfig:
         if self.lr_decay_style == "WSD":
             require(self.lr_wsd_decay_iters is not None or self.lr_wsd_decay_samples is not None,
                     "--lr-decay-style WSD needs --lr-wsd-decay-iters (or --lr-wsd-decay-samples)")
+
+    def _check_momentum(self) -> None:
+        for name in ("sgd_momentum", "muon_momentum"):
+            require(0 <= getattr(self, name) < 1, f"{flag(name)} must be in [0, 1)")
+        positive(self, "muon_num_ns_steps", "muon_extra_scale_factor")
 
     def check_schedule_units(self, sample_based: bool) -> None:
         """As Megatron-LM: a run counts its schedule in samples (--train-samples) or in iterations."""

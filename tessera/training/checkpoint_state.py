@@ -226,10 +226,10 @@ def restore_fp8_scaling(model: nn.Module, state: dict) -> list[str]:
 # -- optimizer state -------------------------------------------------------------------
 
 def optimizer_state(model: nn.Module, optimizer, *, create: bool = False) -> dict[str, Chunked]:
-    """Adam moments per parameter, as full-tensor blocks.
+    """Adam moments (SGD's momentum) per parameter, and Muon's momentum, as full-tensor blocks.
 
-    `create=True` first makes zero moments where the optimizer has none yet (before its
-    first step), so that a checkpoint can be loaded into them.
+    `create=True` first makes zero state where the optimizer has none yet (before its first
+    step), so that a checkpoint can be loaded into it.
     """
     inner = optimizer.inner
     names = {param: _name(name) for name, param in model.named_parameters()}
@@ -250,31 +250,42 @@ def optimizer_state(model: nn.Module, optimizer, *, create: bool = False) -> dic
                     flat = state[kind]
                     add(kind, param, [b for view, origin in _flat_range_rectangles(flat, offset, shape)
                                       for b in _to_full(_spec(param), view, origin)])
-    else:
-        for param in (p for p in names if p.requires_grad):   # a frozen base (LoRA) has no moments
+    else:   # a frozen base (LoRA) is in no parameter group: it has no state
+        for param in (p for group in inner.param_groups for p in group["params"]):
             state = _adam_state(inner, param, create)
-            for kind in ("exp_avg", "exp_avg_sq"):
+            for kind in _STATE_KINDS:
                 if kind in state:
                     add(kind, param, _local_blocks(param, state[kind]))
+    muon = getattr(optimizer, "muon", None)
+    for param in muon.params if muon is not None else ():   # distributed Muon: the matrices this rank owns
+        if create:
+            muon.momentum(param)
+        if "momentum_buffer" in muon.state[param]:
+            add("momentum_buffer", param, _local_blocks(param, muon.state[param]["momentum_buffer"]))
     return {key: Chunked(shapes[key], blocks) for key, blocks in entries.items()}
+
+
+_STATE_KINDS = ("exp_avg", "exp_avg_sq", "momentum_buffer")   # AdamW's, SGD's
 
 
 def _adam_state(optimizer: torch.optim.Optimizer, key: torch.Tensor, create: bool) -> dict:
     if create and key not in optimizer.state:
         if isinstance(optimizer, MasterAdamW):   # its moments may be bf16
             return optimizer.state_of(key)
-        # What AdamW's first step makes (fused: a float32 step tensor on the parameter's device).
-        optimizer.state[key] = {"step": torch.zeros((), dtype=torch.float32, device=key.device),
-                                "exp_avg": torch.zeros_like(key), "exp_avg_sq": torch.zeros_like(key)}
+        if isinstance(optimizer, torch.optim.SGD):
+            optimizer.state[key] = {"momentum_buffer": torch.zeros_like(key)}
+        else:   # what AdamW's first step makes (fused: a float32 step tensor on the parameter's device)
+            optimizer.state[key] = {"step": torch.zeros((), dtype=torch.float32, device=key.device),
+                                    "exp_avg": torch.zeros_like(key), "exp_avg_sq": torch.zeros_like(key)}
     return optimizer.state.get(key, {})
 
 
 def optimizer_steps(optimizer) -> float | None:
-    """Adam's step count (the same for every parameter), or None before the first step."""
+    """Adam's step count (the same for every parameter), or None before the first step (or with SGD)."""
     inner = optimizer.inner
     adam = inner.optimizer if isinstance(inner, DistributedOptimizer) else inner
     for state in adam.state.values():
-        return float(state["step"])
+        return float(state["step"]) if "step" in state else None
     return None
 
 

@@ -1,6 +1,9 @@
-"""AdamW over any data-parallel layout, with one global gradient norm.
+"""AdamW, SGD or Muon over any data-parallel layout, with one global gradient norm.
 
-`build_optimizer` picks how gradients are reduced and weights updated:
+--optimizer adam steps every parameter with AdamW, sgd with SGD (momentum --sgd-momentum, L2
+weight decay, as Megatron-LM's), muon the hidden layers' matrices with Muon and the rest with
+AdamW (tessera.training.optim.muon). `build_optimizer` picks how gradients are reduced and
+weights updated:
 
     local       one process, or DDP (--data-parallel-sharding-strategy no_shard): grads in a
                 flat buffer, all-reduced (tessera.parallel.ddp)
@@ -15,6 +18,12 @@ replicas (Megatron's partial distributed optimizer); FSDP2 shards over a 2-D mes
 
 and returns a `TrainingOptimizer` the trainer drives the same way in all three. Norms and
 biases (every 1-D parameter) get no weight decay, as in Megatron-LM.
+
+Muon's matrices are stepped whole (tessera.training.optim.muon): in the local layouts every rank
+steps them all, gathering TP shards; under --use-distributed-optimizer their gradients are all-
+reduced in a buffer of their own and each data-parallel rank steps the whole matrices it owns
+(tessera.training.optim.layer_wise), while AdamW's weights stay in the distributed optimizer.
+FSDP2 shards every matrix over data-parallel ranks, so it takes --optimizer adam or sgd only.
 
 MoE expert weights are reduced over their own group, expert data parallelism (the ranks
 holding the same experts): they get a gradient buffer of their own, unless that group is
@@ -49,14 +58,21 @@ from tessera.parallel.mesh import Mesh
 from tessera.parallel.pipeline import PipelineGroups, sum_tied_grads
 from tessera.parallel.sharding import allreduce_sequence_parallel_grads
 from tessera.parallel.zero import DistributedOptimizer, adamw_groups
+from tessera.training.optim.layer_wise import LayerWiseMuon
+from tessera.training.optim.muon import Muon, matrix_layouts, muon_options, muon_parameters
 
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}   # --exp-avg-dtype, --exp-avg-sq-dtype
 
 
-def _adamw(params: list[torch.Tensor], optim: OptimConfig, decoupled: Collection[nn.Parameter]) -> torch.optim.AdamW:
-    return torch.optim.AdamW(adamw_groups(((p, p) for p in params), optim.weight_decay, decoupled), lr=optim.lr,
-                             fused=True, betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps)
+def _elementwise(params: list[torch.Tensor], optim: OptimConfig, decoupled: Collection[nn.Parameter]
+                 ) -> torch.optim.Optimizer:
+    """The fused AdamW (or, --optimizer sgd, SGD) of the parameters not in Muon's care."""
+    groups = adamw_groups(((p, p) for p in params), optim.weight_decay, decoupled)
+    if optim.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.sgd_momentum, fused=True)
+    return torch.optim.AdamW(groups, lr=optim.lr, fused=True, betas=(optim.adam_beta1, optim.adam_beta2),
+                             eps=optim.adam_eps)
 
 
 def decoupled_parameters(model: nn.Module, optim: OptimConfig) -> set[nn.Parameter]:
@@ -70,12 +86,15 @@ def decoupled_parameters(model: nn.Module, optim: OptimConfig) -> set[nn.Paramet
 
 
 class TrainingOptimizer:
-    """Zero grads, reduce them, measure their global norm, and step AdamW."""
+    """Zero grads, reduce them, measure their global norm, and step AdamW (SGD) and Muon."""
 
     def __init__(self, model: nn.Module, optim: OptimConfig, mesh: Mesh, *, buffers: list[GradBuffer],
-                 inner, dp_sharded: bool, pipeline: PipelineGroups | None = None, fp8_shards: Fp8Shards | None = None):
-        """`fp8_shards` (--fp8-param-gather under FSDP2): cast to E4M3 now and after every step."""
+                 inner, dp_sharded: bool, pipeline: PipelineGroups | None = None, fp8_shards: Fp8Shards | None = None,
+                 muon: Muon | None = None):
+        """`inner` steps every parameter that `muon` (--optimizer muon) does not. `fp8_shards`
+        (--fp8-param-gather under FSDP2): cast to E4M3 now and after every step."""
         self.model, self.optim, self.mesh, self.buffers, self.inner = model, optim, mesh, buffers, inner
+        self.muon = muon
         self.fp8_shards = fp8_shards
         self.cast_fp8_shards()
         self.dp_sharded = dp_sharded  # each rank holds only its slice of the reduced grads
@@ -95,7 +114,8 @@ class TrainingOptimizer:
         for grads in self.buffers:
             grads.zero()
         if not self.buffers:
-            self.inner.zero_grad(set_to_none=True)
+            for optimizer in self._optimizers():
+                optimizer.zero_grad(set_to_none=True)
 
     def set_last_micro_batch(self, last: bool) -> None:
         for grads in self.buffers:
@@ -137,9 +157,14 @@ class TrainingOptimizer:
     def _owned_grads(self) -> list[tuple[torch.Tensor, nn.Parameter, int | None]]:
         """(gradient this rank holds, its parameter, flat offset of a slice or None if whole)."""
         if isinstance(self.inner, DistributedOptimizer):
-            return self.inner.local_grads_with_offsets()
+            return self.inner.local_grads_with_offsets() + [(self.main_grad(p), p, None) for p in self._layer_wise]
         return [(_local(p.grad), p, _fsdp_row_offset(p)) for p in self.model.parameters()
                 if p.grad is not None]
+
+    @property
+    def _layer_wise(self) -> list[nn.Parameter]:
+        """The matrices distributed Muon steps on this rank (each on one data-parallel rank only)."""
+        return self.muon.params if isinstance(self.muon, LayerWiseMuon) else []
 
     @torch.no_grad()
     def grad_norm(self) -> torch.Tensor:
@@ -189,17 +214,25 @@ class TrainingOptimizer:
         scale and the clip factor into it saves a pass over the gradients and needs no
         device-to-host sync. The norm is global, so every rank agrees on the skip.
         """
-        for group in self.inner.param_groups:
-            group["lr"] = decoupled_lr if group.get("decoupled") else lr
         norm = norm / loss_scale
         max_norm = self.optim.clip_grad
         clip = (max_norm / (norm + 1e-6)).clamp(max=1.0) if max_norm > 0 else torch.ones_like(norm)
-        optimizer = self.inner.optimizer if isinstance(self.inner, DistributedOptimizer) else self.inner
-        optimizer.found_inf = (~torch.isfinite(norm)).float()
-        optimizer.grad_scale = loss_scale / clip
+        found_inf, grad_scale = (~torch.isfinite(norm)).float(), loss_scale / clip
+        for optimizer in self._optimizers():
+            for group in optimizer.param_groups:
+                group["lr"] = decoupled_lr if group.get("decoupled") else lr
+            optimizer.found_inf, optimizer.grad_scale = found_inf, grad_scale
         self.inner.step()
+        if self.muon is not None:
+            self.muon.step()
         self.cast_fp8_shards()
         return norm
+
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizers that step: the elementwise one (inside the distributed optimizer
+        when there is one), and Muon."""
+        inner = self.inner.optimizer if isinstance(self.inner, DistributedOptimizer) else self.inner
+        return [inner] + ([self.muon] if self.muon is not None else [])
 
     def cast_fp8_shards(self) -> None:
         """--fp8-param-gather under FSDP2: cast the FP8 linears' weight shards for FSDP2's next
@@ -209,15 +242,17 @@ class TrainingOptimizer:
 
     @property
     def found_inf(self) -> torch.Tensor:
-        optimizer = self.inner.optimizer if isinstance(self.inner, DistributedOptimizer) else self.inner
-        return optimizer.found_inf
+        return self._optimizers()[0].found_inf
 
     def state_bytes(self) -> int:
         """Optimizer-state bytes on this rank (fp32 masters or their remainders kept apart from the
-        model, Adam moments)."""
+        model, Adam moments, SGD's and Muon's momentum)."""
+        muon = self.muon.state_bytes() if self.muon is not None else 0
         if isinstance(self.inner, DistributedOptimizer):
-            return self.inner.state_bytes()
-        return 2 * 4 * sum(_local(p).numel() for p in self.model.parameters())
+            return self.inner.state_bytes() + muon
+        per_element = 4 if self.optim.optimizer == "sgd" else 8
+        others = {id(p) for p in self.muon.params} if self.muon is not None else set()
+        return muon + per_element * sum(_local(p).numel() for p in self.model.parameters() if id(p) not in others)
 
 
 def build_optimizer(model: nn.Module, optim: OptimConfig, parallel: ParallelConfig, mesh: Mesh, *,
@@ -228,41 +263,61 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, parallel: ParallelConf
     each with its FP8 GEMM module."""
     params = [p for p in model.parameters() if p.requires_grad]
     decoupled = decoupled_parameters(model, optim)
-    if parallel.use_torch_fsdp2:
+    matrices = muon_parameters(model) if optim.optimizer == "muon" else []
+    in_muon = {id(p) for p in matrices}
+    others = [p for p in params if id(p) not in in_muon]
+    if parallel.use_torch_fsdp2:   # RunConfig refuses Muon here
         shards = Fp8Shards(fp8_gathered, torch.bfloat16 if bf16 else torch.float32) if fp8_gathered else None
-        return TrainingOptimizer(model, optim, mesh, buffers=[], inner=_adamw(params, optim, decoupled), dp_sharded=True,
-                                 pipeline=pipeline, fp8_shards=shards)
+        return TrainingOptimizer(model, optim, mesh, buffers=[], inner=_elementwise(params, optim, decoupled),
+                                 dp_sharded=True, pipeline=pipeline, fp8_shards=shards)
+    muon = dict(layouts=matrix_layouts(model, matrices, optim, mesh), **muon_options(optim))
     if mesh.dp_size * mesh.cp_size == 1 and mesh.edp_size == 1 and not parallel.use_distributed_optimizer:
         # Nothing to reduce: plain .grad tensors, freed rather than zeroed between steps.
-        return TrainingOptimizer(model, optim, mesh, buffers=[], inner=_adamw(params, optim, decoupled), dp_sharded=False,
-                                 pipeline=pipeline)
+        return TrainingOptimizer(model, optim, mesh, buffers=[], inner=_elementwise(others, optim, decoupled),
+                                 dp_sharded=False, pipeline=pipeline, muon=Muon(matrices, **muon) if matrices else None)
     own_group = not mesh.experts_follow_data_parallel
     fp8_gathered = fp8_gathered or {}
-    experts = [p for p in params if own_group and getattr(p, "is_expert", False)]
-    dense = [p for p in params if not (own_group and getattr(p, "is_expert", False))]
+
+    def expert(param: nn.Parameter) -> bool:
+        return own_group and getattr(param, "is_expert", False)
+
     # Under HSDP (the distributed optimizer only: DDP has nothing to shard) one replica's ranks.
     dp_group, dp_size = mesh.dp_shard_group, mesh.dp_shard_size
-    groups = [([p for p in dense if p in fp8_gathered], dp_group, dp_size),
-              ([p for p in dense if p not in fp8_gathered], dp_group, dp_size),
-              (experts, mesh.group("edp"), mesh.edp_size)]
-    buffers = [GradBuffer(
-        members, group, bucket_size=parallel.ddp_bucket_size or default_bucket_size(size),
-        overlap=parallel.overlap_grad_reduce, reduce_scatter=parallel.use_distributed_optimizer,
-        reduce_dtype=torch.bfloat16 if bf16 and not parallel.accumulate_allreduce_grads_in_fp32 else torch.float32,
-        # Nothing to reduce or accumulate: the distributed optimizer reads autograd's gradients.
-        stored=not (parallel.use_distributed_optimizer and group is None and micro_batches == 1),
-        replica_group=mesh.group("dp_replicate") if group is dp_group else None,
-    ) for members, group, size in groups if members]
-    if parallel.use_distributed_optimizer:
-        inner = DistributedOptimizer(model, buffers, optim, param_dtype=torch.bfloat16 if bf16 else torch.float32,
-                                     overlap_param_gather=parallel.overlap_param_gather,
-                                     moment_dtypes=(_DTYPES[optim.exp_avg_dtype], _DTYPES[optim.exp_avg_sq_dtype]),
-                                     master_remainders=optim.use_precision_aware_optimizer, fp8_layers=fp8_gathered,
-                                     decoupled=decoupled)
-        return TrainingOptimizer(model, optim, mesh, buffers=buffers, inner=inner, dp_sharded=True,
-                                 pipeline=pipeline)
-    return TrainingOptimizer(model, optim, mesh, buffers=buffers, inner=_adamw(params, optim, decoupled), dp_sharded=False,
-                             pipeline=pipeline)
+    edp_group = mesh.group("edp")
+
+    def buffer(members: list[nn.Parameter], group, size: int, reduce_scatter: bool) -> GradBuffer:
+        return GradBuffer(
+            members, group, bucket_size=parallel.ddp_bucket_size or default_bucket_size(size),
+            overlap=parallel.overlap_grad_reduce, reduce_scatter=reduce_scatter,
+            reduce_dtype=torch.bfloat16 if bf16 and not parallel.accumulate_allreduce_grads_in_fp32 else torch.float32,
+            # Nothing to reduce or accumulate: the distributed optimizer reads autograd's gradients.
+            stored=not (parallel.use_distributed_optimizer and group is None and micro_batches == 1),
+            replica_group=mesh.group("dp_replicate") if reduce_scatter and group is dp_group else None)
+
+    # Distributed Muon steps whole matrices: their gradients are all-reduced, in buffers of their own.
+    apart = parallel.use_distributed_optimizer and bool(matrices)
+    sharded = others if apart else params
+    groups = [([p for p in sharded if not expert(p) and p in fp8_gathered], dp_group, dp_size),
+              ([p for p in sharded if not expert(p) and p not in fp8_gathered], dp_group, dp_size),
+              ([p for p in sharded if expert(p)], edp_group, mesh.edp_size)]
+    buffers = [buffer(members, group, size, parallel.use_distributed_optimizer)
+               for members, group, size in groups if members]
+    if not parallel.use_distributed_optimizer:
+        return TrainingOptimizer(model, optim, mesh, buffers=buffers, inner=_elementwise(others, optim, decoupled),
+                                 dp_sharded=False, pipeline=pipeline,
+                                 muon=Muon(matrices, **muon) if matrices else None)
+    inner = DistributedOptimizer(model, buffers, optim, param_dtype=torch.bfloat16 if bf16 else torch.float32,
+                                 overlap_param_gather=parallel.overlap_param_gather,
+                                 moment_dtypes=(_DTYPES[optim.exp_avg_dtype], _DTYPES[optim.exp_avg_sq_dtype]),
+                                 master_remainders=optim.use_precision_aware_optimizer, fp8_layers=fp8_gathered,
+                                 decoupled=decoupled)
+    domains = [([p for p in matrices if not expert(p)], dp_group, dp_size),
+               ([p for p in matrices if expert(p)], edp_group, mesh.edp_size)] if apart else []
+    domains = [(members, group, size) for members, group, size in domains if members]
+    muon_buffers = [buffer(members, group, size, reduce_scatter=False) for members, group, size in domains]
+    return TrainingOptimizer(model, optim, mesh, buffers=buffers + muon_buffers, inner=inner, dp_sharded=True,
+                             pipeline=pipeline, muon=LayerWiseMuon([(m, g) for m, g, _ in domains], **muon)
+                             if domains else None)
 
 
 def _fsdp_row_offset(param: nn.Parameter) -> int | None:
