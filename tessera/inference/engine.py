@@ -90,6 +90,9 @@ class Engine:
                  cuda_graphs: bool = True, compile: bool = True, kv_memory_fraction: float = 0.8,
                  vocab_size: int | None = None, decode_steps: int = 16):
         config = model.config
+        if config.hybrid_layer_pattern is not None:   # Mamba-2 layers carry a state, not KV blocks
+            raise ValueError(f"--hybrid-layer-pattern {config.hybrid_layer_pattern!r}: generation with Mamba-2 "
+                             "layers is not supported yet (the engine keeps KV blocks, not their SSM and conv state)")
         limit = config.max_position_embeddings or config.seq_length
         self.max_seq_length = max_seq_length or limit
         for name, value, low in (("max_requests", max_requests, 1), ("block_size", block_size, 1),

@@ -67,3 +67,12 @@ def test_a_pattern_with_other_layers_has_no_mamba2_export():
                         mamba_head_dim=8, mamba_num_groups=2, vocab_size=VOCAB, normalization="RMSNorm")
     with pytest.raises(UnsupportedModel, match="Mamba2ForCausalLM has M layers only"):
         hf_config_from_model(model, "mamba2")
+
+
+def test_generation_is_refused_in_one_line(tmp_path):
+    from tessera.inference.engine import Engine
+
+    _hf_model(tmp_path)
+    with pytest.raises(ValueError, match="generation with Mamba-2 layers is not supported yet") as error:
+        Engine(load_hf(tmp_path), compile=False, cuda_graphs=False)
+    assert "\n" not in str(error.value)
