@@ -1,6 +1,6 @@
 """Muon in one process against torch.optim.Muon: the same matrices give the same bits, fused
 weights step as their unfused matrices would, the other coefficient tables orthogonalise (SVD),
-what AdamW keeps, an exact resume, and the layouts Muon refuses in one line."""
+what AdamW keeps, an exact resume (and SGD's), and the layouts Muon refuses in one line."""
 
 import pytest
 import torch
@@ -115,14 +115,15 @@ def test_model_step_with_fused_blocks_split_or_whole():
     assert torch.equal(split["layers.0.mlp.fc1.weight"], whole["layers.0.mlp.fc1.weight"])
 
 
-def test_resume_continues_muons_momentum_exactly(tmp_path):
-    flags = ["--optimizer", "muon", "--train-iters", "4", "--lr-warmup-iters", "1", "--muon-nesterov"]
+@pytest.mark.parametrize("optimizer", ["muon", "sgd"])
+def test_resume_continues_the_momentum_exactly(tmp_path, optimizer):
+    flags = ["--optimizer", optimizer, "--train-iters", "4", "--lr-warmup-iters", "1", "--muon-nesterov"]
     reference = Trainer(run_config(*flags))
     expected = [r.loss for r in reference.train()]
     first = Trainer(run_config(*flags, "--save", str(tmp_path), "--exit-interval", "2"))
     before = [r.loss for r in first.train()]
     resumed = Trainer(run_config(*flags, "--load", str(tmp_path)))
-    assert resumed.optimizer.muon.state   # the momentum came back
+    assert (resumed.optimizer.muon or resumed.optimizer.inner).state   # the momentum came back
     after = [r.loss for r in resumed.train()]
     assert before + after == expected
     for (name, a), b in zip(resumed.model.named_parameters(), reference.model.parameters()):
