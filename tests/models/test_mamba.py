@@ -114,3 +114,51 @@ def test_pattern_sets_layers_and_pipeline_segments():
 def test_bad_patterns_are_refused_in_one_line(pattern, message):
     with pytest.raises(ConfigError, match=message):
         ModelConfig(hybrid_layer_pattern=pattern, hidden_size=32, num_attention_heads=4, seq_length=32)
+
+
+def test_flops_follow_megatrons_hybrid_formula():
+    """Megatron-LM's hybrid_flops (megatron/training/training.py), written out for the 8B hybrid."""
+    from tessera.models.presets import preset_values
+    from tessera.perf.flops import flops_per_iteration
+
+    config = ModelConfig(**preset_values("mamba2-hybrid-8b"))
+    batch, s, h, vocab = 3, config.seq_length, config.hidden_size, config.padded_vocab_size()
+    tokens, squares = batch * s, batch * s * s
+    heads, groups, kv = config.num_attention_heads, config.num_query_groups, config.kv_channels
+    p = kv * heads / h
+    attention = 4 * tokens * h * p * (h + h * groups / heads) + 2 * squares * h * p
+    mlp = 4 * (config.ffn_hidden_size / h) * tokens * h * h
+    d_in, state = 2 * h, config.mamba_state_dim
+    mamba = (2 * tokens * h * (2 * d_in + 2 * config.mamba_num_groups * state + config.mamba_num_heads)
+             + 7 * tokens * d_in * state + 2 * tokens * d_in * h)
+    pattern = config.hybrid_layer_pattern
+    expected = 3 * (pattern.count("*") * attention + pattern.count("-") * mlp + pattern.count("M") * mamba
+                    + 2 * tokens * h * vocab)
+    assert flops_per_iteration(config, batch) == pytest.approx(expected, rel=1e-12)
+
+
+def test_parameter_count_is_the_models():
+    from tessera.models.gpt import GPTModel
+    from tessera.perf.flops import count_parameters
+
+    config = _config(hybrid_layer_pattern="M*-E", num_experts=4, moe_shared_expert_intermediate_size=16,
+                     group_query_attention=True, num_query_groups=2)
+    assert count_parameters(config).total == sum(p.numel() for p in GPTModel(config).parameters())
+
+
+def test_packed_documents_equal_separate_runs_through_the_model():
+    """Attention and Mamba-2 layers together: packed samples give each document's logits alone."""
+    from tessera.models.gpt import GPTModel
+
+    config = _config(hybrid_layer_pattern="M*M-", hidden_dropout=0.0, attention_dropout=0.0,
+                     position_embedding_type="none")
+    torch.manual_seed(0)
+    model = GPTModel(config).eval()
+    initialize_parameters(model, 3)
+    ids = torch.randint(0, 64, (1, 24))
+    documents = Documents.from_cu_seqlens(torch.tensor([0, 9, 24]), 1, 24, backend="per_document",
+                                          device=torch.device("cpu"))
+    with torch.no_grad():
+        packed = model(ids, documents=documents)
+        alone = torch.cat([model(ids[:, :9]), model(ids[:, 9:])], dim=1)
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
