@@ -120,8 +120,8 @@ def main() -> None:
     }
     if mesh.pp_size > 1:
         result["bubble_measured_per_stage"] = _measure_bubble(trainer, args.bubble_steps)
-        result["bubble_theory"] = trainer.schedule.theoretical_bubble()
-        result["schedule"] = trainer.schedule.name
+        result["bubble_theory"] = trainer.pipeline.schedule.theoretical_bubble()
+        result["schedule"] = trainer.pipeline.schedule.name
     if mesh.rank != 0:
         return
     bubble = ""
@@ -152,7 +152,7 @@ def _measure_bubble(trainer, steps: int) -> list[float]:
     measured = []
     for _ in range(steps):
         trainer.train_step()
-        measured.append(trainer.runner.measured_bubble())
+        measured.append(trainer.pipeline.runner.measured_bubble())
     mine = torch.tensor([sum(measured) / max(len(measured), 1)], device=trainer.device)
     stages = [torch.zeros_like(mine) for _ in range(trainer.mesh.pp_size)]
     dist.all_gather(stages, mine, group=trainer.mesh.group("pp"))

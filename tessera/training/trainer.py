@@ -1,7 +1,7 @@
 """The training loop: micro-batches accumulated into a global batch, one optimizer step each.
 
-The trainer is the one place that composes the mesh, model, data, optimizer, precision
-and metrics. One iteration:
+The trainer runs the loop over what tessera.training.build makes (this rank's device, model and
+pipeline stage), with the data, the optimizer, the objective, precision and metrics. One iteration:
 
     for each micro-batch: forward -> per-token loss -> backward of (masked loss sum / global tokens)
     gradients reduced over data-parallel ranks (during the last backward with --overlap-grad-reduce)
@@ -28,19 +28,14 @@ import torch
 import torch.distributed as dist
 
 from tessera.config import ConfigError, RunConfig
-from tessera.config.hybrid import stage_ranges
 from tessera.models.documents import default_backend
-from tessera.models.gpt import GPTModel, Recompute, initialize_parameters
-from tessera.parallel.context import ContextParallel
-from tessera.parallel.experts import ExpertGroups
-from tessera.parallel.fsdp import apply_fsdp2
-from tessera.parallel.launch import init_distributed, job_world_size
+from tessera.models.gpt import GPTModel
 from tessera.parallel.mesh import Mesh
-from tessera.parallel.pipeline import PipelineGroups, PipelineRunner
-from tessera.parallel.pipeline_schedules import build_schedule, stage_layer_ranges
+from tessera.parallel.pipeline import PipelineRunner
 from tessera.perf.flops import count_parameters, flops_per_iteration
 from tessera.training import fp8
 from tessera.training.batches import Batch, DataSource, place_batch
+from tessera.training.build import PipelineStage, build_model, join_job, stage_chunks
 from tessera.training.checkpoint import Checkpointer
 from tessera.training.cuda_graph import StepGraph
 from tessera.training.losses import LossTerms, MoEBalance
@@ -50,12 +45,6 @@ from tessera.training.optimizer import build_optimizer
 from tessera.training.precision import LossScaler, autocast, autocast_dtype
 from tessera.training.schedules import LRSchedule
 from tessera.training.stragglers import StragglerTimer
-
-# Inductor times a few block sizes for each kernel it generates (Triton only, at the first
-# compile): config A's norms, adds and sums 0.5-0.7% faster a step on an H200
-# (docs/performance.md, 2026-12-04).
-COMPILE_OPTIONS = {"coordinate_descent_tuning": True}
-
 
 @dataclass
 class StepResult:
@@ -75,88 +64,61 @@ class StepResult:
         return StepResult(loss, norm, bool(skipped), dict(zip(self.moe, moe)), dict(zip(self.terms, terms)))
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA device is available")
-    return torch.device(name)
-
-
 class Trainer:
     def __init__(self, config: RunConfig):
-        self.config = config
-        train, parallel = config.train, config.parallel
-        self.device = init_distributed(resolve_device(train.device), config)
-        if job_world_size() != config.world_size:
-            raise ConfigError(f"the configuration is for {config.world_size} processes (RunConfig.world_size) "
-                              f"but the job has {job_world_size()}: leave world_size out to take the job's")
-        self.mesh = Mesh.build(parallel, self.device.type)
+        self.config, train = config, config.train
+        self.device = join_job(config)
+        self.mesh = Mesh.build(config.parallel, self.device.type)
         self.data = DataSource(config, self.mesh)
-        torch.manual_seed(train.seed)
-        recompute = Recompute(train.recompute_granularity, train.recompute_method, train.recompute_num_layers)
-        stage = self._pipeline_stage()
-        expert_groups = ExpertGroups.from_mesh(self.mesh, parallel.moe_token_dispatcher_type) \
-            if config.model.num_experts else None
-        self.context_parallel = ContextParallel(tuple(parallel.cp_comm_type), self.mesh.group("cp"),
-                                                self.mesh.group("cp_inner"), self.mesh.group("cp_outer")) \
-            if self.mesh.cp_size > 1 else None
-        with torch.device(self.device):
-            self.model = GPTModel(config.model, tp_group=self.mesh.tp_group, sequence_parallel=parallel.sequence_parallel,
-                                  tp_comm_overlap=parallel.tp_comm_overlap, recompute=recompute,
-                                  expert_groups=expert_groups, context_parallel=self.context_parallel, **stage)
-        initialize_parameters(self.model, train.seed)
-        if config.posttrain.lora:   # adapters on the frozen base, before FP8, compile, FSDP2 and the optimizer
-            from tessera.posttrain.lora import apply_lora
-
-            apply_lora(self.model, config.posttrain, train.seed)
-        self.fp8_layers = self._apply_fp8()
+        chunks = stage_chunks(config, self.mesh)
+        built = build_model(config, self.mesh, self.device, chunks)
+        self.model, self.context_parallel, self.fp8_layers = built.model, built.context_parallel, built.fp8_layers
         self.moe = MoEBalance(self.model, self.mesh, num_micro_batches=config.num_micro_batches,
                               bias_update_rate=config.model.moe_router_bias_update_rate,
                               per_layer=train.moe_per_layer_logging)
         self.losses = self._objective()
-        if train.compile if train.compile is not None else self.device.type == "cuda":
-            if parallel.use_torch_fsdp2 and train.fp8_param_gather:   # compiled on CUDA unless told otherwise
-                raise ConfigError("--fp8-param-gather with --use-torch-fsdp2 does not combine with torch.compile "
-                                  "(use --no-compile)")
-            self._compile()
-        if parallel.use_torch_fsdp2:
-            apply_fsdp2(self.model, self.mesh, param_dtype=torch.bfloat16 if train.bf16 else None,
-                        fp8_weights=fp8.gathered_weights(self.model) if train.fp8_param_gather else ())
-        self.pipeline = PipelineGroups.build(self.mesh, shared_embedding=config.model.last_stage_embedding) \
-            if self.mesh.pp_size > 1 else None
-        self.optimizer = build_optimizer(self.model, config.optim, parallel, self.mesh, bf16=train.bf16,
-                                         pipeline=self.pipeline, micro_batches=config.num_micro_batches,
+        groups = PipelineStage.groups_of(config, self.mesh)
+        self.optimizer = build_optimizer(self.model, config.optim, config.parallel, self.mesh, bf16=train.bf16,
+                                         pipeline=groups, micro_batches=config.num_micro_batches,
                                          fp8_gathered=fp8.gathered_weights(self.model) if train.fp8_param_gather else None)
-        if self.pipeline is not None:
-            self._build_pipeline_runners()
-        self.lr_schedule = LRSchedule(config.optim, train)
-        self.loss_scaler = LossScaler(train)
+        self.pipeline = None if groups is None else PipelineStage.build(
+            config, self.mesh, chunks, groups, next(self.model.parameters()).dtype, self.device)
+        self.lr_schedule, self.loss_scaler = LRSchedule(config.optim, train), LossScaler(train)
         self.amp_dtype = autocast_dtype(train)
-        self.iteration = 0
-        self.consumed_samples = 0
-        self.skipped_iterations = 0
-        self.nan_iterations = 0
-        # fp16 overflows are expected (the loss scaler handles them): check the loss only.
-        self.nan_check = NonFiniteCheck(self.device, check_grads=not train.fp16) \
-            if train.check_for_nan_in_loss_and_grad else None
-        self.step_graph = self._step_graph()
-        self.document_backend = default_backend(self.device, self.amp_dtype or torch.float32,
-                                                config.model.attention_dropout > 0)   # packed samples' kernel
+        self.iteration = self.consumed_samples = self.skipped_iterations = self.nan_iterations = 0
+        self._kernels()
         self.checkpointer = Checkpointer(config, self.device)
-        self.stragglers = StragglerTimer(self.device, train.straggler_minmax_count) if train.log_straggler else None
-        # DPO's reference without LoRA: the start weights' log-probs of every row, before a resume
-        # replaces those weights (with LoRA it is the model with its adapters off, at each step).
+        self._start_weights()
+        self.train_data = self.data.micro_batches("train", consumed_samples=self.consumed_samples)
+        self.valid_data = self.data.micro_batches("valid", consumed_samples=0) if train.eval_interval else None
+        self._monitors()
+
+    def _kernels(self) -> None:
+        """The step's kernel choices: packed samples' attention, SDPA's order, the CUDA graph."""
+        self.document_backend = default_backend(self.device, self.amp_dtype or torch.float32,
+                                                self.config.model.attention_dropout > 0)
+        self._attention = _attention_backend(self.config.train.attention_backend, self.device)
+        self.step_graph = self._step_graph()
+
+    def _start_weights(self) -> None:
+        """The model, optimizer, iteration, consumed samples and RNG of a resume, or the start
+        weights; and DPO's reference without LoRA: the start weights' log-probs of every row,
+        before a resume replaces those weights (with LoRA it is the model with its adapters off)."""
+        config = self.config
         reference_pass = self._reference_pass if config.posttrain.dpo and not config.posttrain.lora else None
         if config.checkpoint.load or config.checkpoint.pretrained_checkpoint:
-            # model, optimizer, iteration, consumed samples, RNG; or the start weights
             self.checkpointer.load(self, on_start_weights=reference_pass)
         elif reference_pass is not None:
             reference_pass()
-        self._attention = _attention_backend(train.attention_backend, self.device)
+
+    def _monitors(self) -> None:
+        """What watches the run: the non-finite check, the straggler timer and the metrics writer."""
+        config, train = self.config, self.config.train
+        # fp16 overflows are expected (the loss scaler handles them): check the loss only.
+        self.nan_check = NonFiniteCheck(self.device, check_grads=not train.fp16) \
+            if train.check_for_nan_in_loss_and_grad else None
+        self.stragglers = StragglerTimer(self.device, train.straggler_minmax_count) if train.log_straggler else None
         self._document_squares: int | None = None   # sum of n^2 over this rank's documents since the last log
-        self.train_data = self.data.micro_batches("train", consumed_samples=self.consumed_samples)
-        self.valid_data = self.data.micro_batches("valid", consumed_samples=0) if train.eval_interval else None
         self.metrics = MetricsWriter(
             flops_per_iteration=flops_per_iteration(config.model, train.global_batch_size,
                                                     vocab_size=self.model.vocab_size),
@@ -212,7 +174,7 @@ class Trainer:
             batch[REFERENCE_KEY] = answer_log_probs(losses, batch["loss_mask"], self.mesh.group("cp")).float()
 
         with context(self.model), eval_mode(self.model):
-            self._run_pipeline(self.eval_runner, micro_batches, None, last_stage=keep)
+            self._run_pipeline(self.pipeline.eval_runner, micro_batches, None, last_stage=keep)
         for batch in micro_batches:
             dist.all_reduce(batch[REFERENCE_KEY], group=self.mesh.group("pp"))
 
@@ -241,60 +203,19 @@ class Trainer:
         return StepGraph(self._forward_backward, warmup_steps=train.cuda_graph_warmup_steps,
                          drop_statistics=self.moe.drop_statistics)
 
-    def _apply_fp8(self) -> list:
-        """--fp8-format: FP8 GEMMs in this rank's transformer blocks (tessera.training.fp8)."""
-        recipe = fp8.recipe_of(self.config.train)
-        if recipe is None:
-            return []
-        fp8.check_device(self.device, recipe)
-        cfg = self.config
-        return fp8.apply_fp8(self.model.layers.items(), recipe, fp8.bf16_layers(cfg.train, cfg.model.num_layers),
-                             cfg.train.micro_batch_size * cfg.model.seq_length // self.mesh.cp_size)
-
     # -- pipeline parallelism ------------------------------------------------------------
-
-    def _pipeline_stage(self) -> dict:
-        """GPTModel arguments of this rank's stage: the layers of its chunks, embedding on the
-        first stage, output layer on the last (nothing to add without PP)."""
-        parallel, mesh = self.config.parallel, self.mesh
-        if mesh.pp_size == 1:
-            return {}
-        pattern = self.config.model.hybrid_layer_pattern   # its '|' place the stages' boundaries
-        ranges = (pattern and stage_ranges(pattern, mesh.pp_size)) or stage_layer_ranges(
-            self.config.model.num_layers, mesh.pp_size, parallel.virtual_pipeline_size(self.config.model.num_layers),
-            first_stage_layers=parallel.decoder_first_pipeline_num_layers,
-            last_stage_layers=parallel.decoder_last_pipeline_num_layers)
-        self.chunk_layers = ranges[mesh.pp_rank::mesh.pp_size]   # chunk c is virtual stage c * pp + rank
-        return dict(layer_indices=[i for chunk in self.chunk_layers for i in chunk], pre_process=mesh.pp_rank == 0,
-                    post_process=mesh.pp_rank == mesh.pp_size - 1)
-
-    def _build_pipeline_runners(self) -> None:
-        cfg, mesh = self.config, self.mesh
-        vp_size = len(self.chunk_layers)
-        seq_length = cfg.model.seq_length // mesh.cp_size
-        if self.model.sequence_parallel:
-            seq_length //= mesh.tp_size
-        runner = lambda schedule: PipelineRunner(  # noqa: E731
-            schedule, mesh.pp_rank, self.pipeline, device=self.device, dtype=next(self.model.parameters()).dtype,
-            activation_shape=(cfg.train.micro_batch_size, seq_length, cfg.model.hidden_size))
-        overlap = cfg.parallel.overlap_p2p_communication
-        self.schedule = build_schedule(cfg.parallel.pipeline_schedule, mesh.pp_size, cfg.num_micro_batches, vp_size,
-                                       overlap_p2p=overlap)
-        self.runner = runner(self.schedule)
-        self.eval_runner = runner(build_schedule(cfg.parallel.pipeline_schedule, mesh.pp_size,
-                                                 cfg.num_micro_batches, vp_size, forward_only=True, overlap_p2p=overlap))
 
     def _stage_forward(self, chunk: int, batch: Batch, hidden: torch.Tensor | None, last_stage) -> torch.Tensor:
         """One model chunk on one micro-batch: its output activation, or on the last virtual
         stage `last_stage(per-token losses, batch)` (the objective's share: LossTerms.micro_batch)."""
-        stage = self.runner.stage(chunk)
+        stage = self.pipeline.runner.stage(chunk)
         position_ids, documents = batch.get("position_ids"), batch.get("documents")
-        layers = [self.model.layers[i] for i in self.chunk_layers[chunk]]
+        layers = [self.model.layers[i] for i in self.pipeline.chunks[chunk]]
         with autocast(self.device.type, self.amp_dtype):
             if stage == 0:
                 hidden = self.model.embed(batch["tokens"], position_ids)
             hidden = self.model.run_layers(hidden, position_ids, documents, layers=layers)
-            if stage < self.runner.last_stage:
+            if stage < self.pipeline.runner.last_stage:
                 return hidden
             if self._with_mtp:
                 losses = self.model.head_with_mtp(hidden, batch["tokens"], batch["labels"], position_ids, documents)
@@ -319,14 +240,6 @@ class Trainer:
         last_backwards = runner.schedule.last_backwards(self.mesh.pp_rank)
         runner.run(forward_step, before_backward=lambda mb, chunk: self.optimizer.set_last_micro_batch(
             (mb, chunk) in last_backwards))   # each chunk's buckets may start in its own last backward
-
-    def _compile(self) -> None:
-        """Compile each block and the output head separately: small graphs compile fast
-        and every block reuses the first one's kernels."""
-        mtp_blocks = [depth.layer for depth in self.model.mtp.layers] if self.model.mtp is not None else []
-        for layer in [*self.model.layers, *mtp_blocks]:
-            layer.compile(options=COMPILE_OPTIONS)
-        self.model.head = torch.compile(self.model.head, options=COMPILE_OPTIONS)  # shadows the method
 
     # -- one iteration -----------------------------------------------------------------
 
@@ -365,7 +278,7 @@ class Trainer:
         if self.pipeline is not None:
             self.optimizer.zero_grad()
             self.losses.begin()
-            self._run_pipeline(self.runner, micro_batches, scale / tokens)
+            self._run_pipeline(self.pipeline.runner, micro_batches, scale / tokens)
         elif self.step_graph is not None:
             self.step_graph.run(micro_batches, scale / tokens)
         else:
@@ -395,7 +308,7 @@ class Trainer:
             batches = [self._to_device(next(self.valid_data)) for _ in range(self.config.num_micro_batches)]
             tokens += self.losses.normaliser(batches)
             if self.pipeline is not None:
-                self._run_pipeline(self.eval_runner, batches, None)
+                self._run_pipeline(self.pipeline.eval_runner, batches, None)
             else:
                 for batch in batches:
                     self._forward(batch)
@@ -463,11 +376,11 @@ class Trainer:
 
     def _log_bubble(self) -> None:
         """Measured idle fraction of each stage in the last step next to (p-1)/(v*m+p-1)."""
-        measured = torch.tensor([self.runner.measured_bubble()], device=self.device)
+        measured = torch.tensor([self.pipeline.runner.measured_bubble()], device=self.device)
         stages = [torch.zeros_like(measured) for _ in range(self.mesh.pp_size)]
         dist.all_gather(stages, measured, group=self.mesh.group("pp"))
         self.metrics.info(f" pipeline bubble per stage: {' '.join(f'{s.item():.1%}' for s in stages)} "
-                          f"(theory {self.schedule.theoretical_bubble():.1%}, {self.schedule.name})")
+                          f"(theory {self.pipeline.schedule.theoretical_bubble():.1%}, {self.pipeline.schedule.name})")
 
     def _log_start(self) -> None:
         cfg, mesh = self.config, self.mesh
