@@ -57,7 +57,8 @@ def model_config_from_hf(hf: dict[str, Any], vocab_multiple: int) -> ModelConfig
 
 def _refuse_what_tessera_computes_differently(hf: dict[str, Any]) -> None:
     if hf.get("conv_kernel", CONV_KERNEL) != CONV_KERNEL:
-        raise UnsupportedModel(f"conv_kernel {hf['conv_kernel']} is not supported (tessera's conv is {CONV_KERNEL} wide)")
+        raise UnsupportedModel(f"conv_kernel {hf['conv_kernel']} is not supported (tessera's conv is "
+                               f"{CONV_KERNEL} wide)")
     if not hf.get("use_conv_bias", True):
         raise UnsupportedModel("use_conv_bias false is not supported (tessera's conv has a bias)")
     if hf.get("hidden_act", "silu") != "silu":
