@@ -13,15 +13,13 @@ H200): a pointwise kernel over the concatenation, each element choosing its sour
 slices. Here a program takes 32 tokens and each of their heads in turn as its two halves: q, k
 and v read and written once each way, one launch per q, k and v (3.05 ms a step for the forward
 and the backward together, ~3.2 TB/s; B 1.006x faster). Both directions compute in fp32 from
-tables rounded to the activations' dtype, as `tessera.models.rope.apply_rotary` does, and round
-once. Without CUDA and Triton the same maths runs in torch.
+tables rounded to the activations' dtype, as `apply_rotary` (the models' rotation in torch ops) does,
+and round once. Without CUDA and Triton `apply_rotary` runs instead.
 """
 
 from __future__ import annotations
 
 import torch
-
-from tessera.models.rope import apply_rotary
 
 try:
     import triton
@@ -30,6 +28,24 @@ except ImportError:   # CPU-only torch ships without Triton
     triton = None
 
 ROWS = 32   # tokens a program rotates, every head of them
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Rotate the first cos.shape[-1] channels of x [b, s, heads, d]; the rest pass through.
+
+    The rotation pairs channel i with channel i + d/2 (rotate-half: LLaMA, Megatron). With
+    `interleaved` the pairs are neighbours (x0, x1), (x2, x3), ... (DeepSeek's weights; HF
+    rope_interleave, Megatron's MLA): gathering the even channels, then the odd ones, gives
+    the rotate-half layout. The output stays in that order; queries and keys share it, so
+    their dot products are those of the interleaved rotation.
+    """
+    rotary_dim = cos.shape[-1]
+    rotated, passed = x[..., :rotary_dim], x[..., rotary_dim:]
+    if interleaved:
+        rotated = torch.cat([rotated[..., 0::2], rotated[..., 1::2]], dim=-1)
+    first, second = rotated.chunk(2, dim=-1)
+    rotated = rotated * cos.to(x.dtype) + torch.cat([-second, first], dim=-1) * sin.to(x.dtype)
+    return torch.cat([rotated, passed], dim=-1) if passed.shape[-1] else rotated
 
 
 def rotary_qkv_applies(qkv: torch.Tensor, cos: torch.Tensor) -> bool:

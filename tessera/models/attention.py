@@ -20,10 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.config import ConfigError, ModelConfig
-from tessera.kernels.rope import rotary_qkv
+from tessera.kernels.rope import apply_rotary, rotary_qkv
 from tessera.models.documents import Documents
 from tessera.models.norm import build_norm
-from tessera.models.rope import apply_rotary
 from tessera.parallel.context import ContextAttention
 from tessera.parallel.random import DropoutRNG, checkpoint
 from tessera.parallel.sharding import rank_and_size

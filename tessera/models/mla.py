@@ -32,10 +32,11 @@ import torch
 from torch import nn
 
 from tessera.config import ConfigError, ModelConfig
+from tessera.kernels.rope import apply_rotary
 from tessera.models.attention import attend_and_project, core_attention
 from tessera.models.documents import Documents
 from tessera.models.norm import build_norm
-from tessera.models.rope import apply_rotary, yarn_mscale
+from tessera.models.rope import yarn_mscale
 from tessera.parallel.context import ContextAttention
 from tessera.parallel.random import DropoutRNG
 from tessera.parallel.sharding import ShardSpec, annotate, rank_and_size

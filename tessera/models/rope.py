@@ -139,21 +139,3 @@ def build_rotary(config) -> RotaryEmbedding | None:
         return None
     dim = config.qk_pos_emb_head_dim if config.multi_latent_attention else config.rotary_dim
     return RotaryEmbedding(dim, config.rotary_base, config.max_position_embeddings, rope_scaling(config))
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """Rotate the first cos.shape[-1] channels of x [b, s, heads, d]; the rest pass through.
-
-    The rotation pairs channel i with channel i + d/2 (rotate-half: LLaMA, Megatron). With
-    `interleaved` the pairs are neighbours (x0, x1), (x2, x3), ... (DeepSeek's weights; HF
-    rope_interleave, Megatron's MLA): gathering the even channels, then the odd ones, gives
-    the rotate-half layout. The output stays in that order; queries and keys share it, so
-    their dot products are those of the interleaved rotation.
-    """
-    rotary_dim = cos.shape[-1]
-    rotated, passed = x[..., :rotary_dim], x[..., rotary_dim:]
-    if interleaved:
-        rotated = torch.cat([rotated[..., 0::2], rotated[..., 1::2]], dim=-1)
-    first, second = rotated.chunk(2, dim=-1)
-    rotated = rotated * cos.to(x.dtype) + torch.cat([-second, first], dim=-1) * sin.to(x.dtype)
-    return torch.cat([rotated, passed], dim=-1) if passed.shape[-1] else rotated

@@ -16,7 +16,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
 
 from tessera.config import ConfigError, ModelConfig
-from tessera.models.rope import Llama3Scaling, YarnScaling, apply_rotary, build_rotary, rope_scaling
+from tessera.kernels.rope import apply_rotary
+from tessera.models.rope import Llama3Scaling, YarnScaling, build_rotary, rope_scaling
 
 DSV3 = dict(factor=40.0, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1, mscale=1.0,
             mscale_all_dim=1.0)

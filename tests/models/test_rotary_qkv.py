@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from tessera.config import ModelConfig
-from tessera.kernels.rope import rotary_qkv, rotary_qkv_backward
+from tessera.kernels.rope import apply_rotary, rotary_qkv, rotary_qkv_backward
 from tessera.models.attention import Attention
 from tessera.models.gpt import initialize_parameters
-from tessera.models.rope import RotaryEmbedding, apply_rotary
+from tessera.models.rope import RotaryEmbedding
 
 
 def _tables(seq: int, d: int, position_ids: torch.Tensor | None = None, dtype=torch.float64):
