@@ -6,6 +6,9 @@ import math
 from dataclasses import dataclass
 
 from tessera.config.attention import check_mla, check_rope
+from tessera.config.attention_windows import (
+    check_attention_windows, check_gated_activation, parse_window_size, window_layers,
+)
 from tessera.config.fields import flag, option, positive, require
 from tessera.config.hybrid import MOE as MOE_SYMBOL, apply_pattern, check_hybrid, layer_symbols
 from tessera.config.moe import LOAD_BALANCING_TYPES, check_moe, parse_layer_pattern
@@ -14,6 +17,7 @@ MOE = "mixture of experts"   # the --help headings of the MoE, MLA, RoPE-scaling
 MLA = "multi-latent attention"
 ROPE_SCALING = "RoPE scaling"
 MTP = "multi-token prediction"
+WINDOWS = "attention sinks and sliding windows"
 HYBRID = "hybrid layer pattern and Mamba-2"
 
 @dataclass
@@ -39,6 +43,10 @@ class ModelConfig:
     norm_epsilon: float = option(1e-5, "epsilon of the normalization layers")
     swiglu: bool = option(False, "gated SiLU MLP (LLaMA) instead of GeLU")
     openai_gelu: bool = option(False, "tanh approximation of GeLU (GPT-2's gelu_new) instead of the exact erf form")
+    quick_geglu: bool = option(False, "gated quick-GELU MLP, gate * sigmoid(1.702 gate) * up (GPT-OSS), instead of GeLU")
+    glu_linear_offset: float = option(0.0, "gated MLP: act(gate) * (up + this) (GPT-OSS 1.0)")
+    activation_func_clamp_value: float | None = option(
+        None, "gated MLP: clamp the gate above and up on both sides at this value before the activation (GPT-OSS 7.0)")
     disable_bias_linear: bool = option(False, "no biases in linear layers")
     add_qkv_bias: bool = option(False, "biases on the QKV projection even with --disable-bias-linear (Qwen)")
     untie_embeddings_and_output_weights: bool = option(False, "separate output layer instead of the input embedding")
@@ -126,6 +134,17 @@ class ModelConfig:
     moe_grouped_gemm: bool = option(False, "all local experts in grouped GEMMs instead of a loop over experts",
                                     group=MOE)
 
+    # Attention sinks and sliding windows (GPT-OSS; Megatron-Core's flags; tessera.models.attention_sinks).
+    softmax_type: str = option(
+        "vanilla", "attention softmax: vanilla; off-by-one (a logit 0 in every denominator); learnable (a learned "
+        "logit per head: attention sinks, GPT-OSS)", ("vanilla", "off-by-one", "learnable"), group=WINDOWS)
+    window_size: tuple[int, int] | None = option(
+        None, "sliding-window attention 'LEFT,0': a token sees itself and the LEFT tokens before it (GPT-OSS 127,0)",
+        group=WINDOWS, parse=parse_window_size)
+    window_attn_skip_freq: str | None = option(
+        None, "with --window-size, the full-attention layers: every Nth (int; GPT-OSS 2), or a list expression of "
+        "1 (window) / 0 (full) per layer", group=WINDOWS, parse=str)
+
     # Multi-token prediction (DeepSeek-V3; Megatron-Core's flags; tessera.models.mtp).
     mtp_num_layers: int | None = option(
         None, "multi-token prediction depths after the last layer, depth k predicting token t+k+1 at position t "
@@ -152,7 +171,7 @@ class ModelConfig:
         check_mla(self)   # before the key/value groups get their default
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = (
-                int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu else 4 * self.hidden_size
+                int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.gated_linear_unit else 4 * self.hidden_size
             )
         if self.kv_channels is None:
             require(
@@ -195,6 +214,8 @@ class ModelConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             require(0.0 <= getattr(self, name) < 1.0, f"{flag(name)} must be in [0, 1)")
         check_moe(self)
+        check_attention_windows(self)
+        check_gated_activation(self)
         self._check_mtp()
         check_hybrid(self)
 
@@ -221,6 +242,15 @@ class ModelConfig:
         """Whether the last pipeline stage needs the word embedding too: for a tied output layer,
         or as the MTP depths' input."""
         return self.tie_embeddings or bool(self.mtp_num_layers)
+
+    @property
+    def gated_linear_unit(self) -> bool:
+        """Whether fc1 holds a gate and an up projection (--swiglu or --quick-geglu)."""
+        return self.swiglu or self.quick_geglu
+
+    def window_layers(self) -> list[int | None]:
+        """Per layer, its sliding window (tokens before the query it sees), or None for full attention."""
+        return window_layers(self)
 
     @property
     def add_bias_linear(self) -> bool:

@@ -14,22 +14,23 @@ if TYPE_CHECKING:
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 
 
-def parse_layer_pattern(text: str | int, num_layers: int) -> list[bool]:
+def parse_layer_pattern(text: str | int, num_layers: int, flag: str = "--moe-layer-freq") -> list[bool]:
     """--moe-layer-freq: an int N (layer i is MoE iff i % N == 0, Megatron's rule) or a list
-    expression of 0/1 per layer such as "([0]*1+[1]*23)" (DeepSeek's dense first layer)."""
+    expression of 0/1 per layer such as "([0]*1+[1]*23)" (DeepSeek's dense first layer);
+    `flag` names the option in errors (--window-attn-skip-freq takes the same lists)."""
     text = str(text).strip()
     if text.lstrip("-").isdigit():
         every = int(text)
-        require(every > 0, f"--moe-layer-freq must be a positive int or a list expression, got {text!r}")
+        require(every > 0, f"{flag} must be a positive int or a list expression, got {text!r}")
         return [i % every == 0 for i in range(num_layers)]
     try:
         pattern = _evaluate_list(ast.parse(text, mode="eval").body)
     except (SyntaxError, ValueError) as exc:
-        raise ConfigError(f"--moe-layer-freq {text!r}: not an int or a list expression of 0s and 1s "
+        raise ConfigError(f"{flag} {text!r}: not an int or a list expression of 0s and 1s "
                           f"such as '([0]*1+[1]*23)' ({exc})") from None
-    require(all(v in (0, 1) for v in pattern), f"--moe-layer-freq {text!r}: entries must be 0 or 1")
+    require(all(v in (0, 1) for v in pattern), f"{flag} {text!r}: entries must be 0 or 1")
     require(len(pattern) == num_layers,
-            f"--moe-layer-freq {text!r} gives {len(pattern)} layers, --num-layers is {num_layers}")
+            f"{flag} {text!r} gives {len(pattern)} layers, --num-layers is {num_layers}")
     return [bool(v) for v in pattern]
 
 
@@ -74,7 +75,6 @@ def check_moe(config: "ModelConfig") -> None:
     if config.moe_ffn_hidden_size is None:
         config.moe_ffn_hidden_size = config.ffn_hidden_size   # Megatron's fallback
     require(config.moe_ffn_hidden_size > 0, "--moe-ffn-hidden-size must be positive")
-    require(not config.add_bias_linear, "MoE experts have no biases: add --disable-bias-linear")
     config.moe_layers()   # checks --moe-layer-freq
     _check_router(config)
     _check_load_balancing(config)
@@ -142,6 +142,8 @@ def check_expert_layout(config: "ModelConfig", *, tp: int, cp: int, dp: int, ep:
     require(config.moe_ffn_hidden_size % etp == 0,
             f"--moe-ffn-hidden-size ({config.moe_ffn_hidden_size}) must be divisible by "
             f"--expert-tensor-parallel-size ({etp})")
+    require(etp == 1 or not config.add_bias_linear,
+            "expert biases (MoE without --disable-bias-linear) need --expert-tensor-parallel-size 1, as in Megatron")
     # Each TP rank must route its own tokens, or experts would see every token TP times.
     require(tp == 1 or sequence_parallel, "--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel")
 

@@ -168,7 +168,6 @@ def test_the_router_records_counts_and_losses_while_training():
     ({"moe_pad_expert_input_to_capacity": True}, "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"),
     ({"moe_layer_freq": "[1,0]"}, "gives 2 layers, --num-layers is 1"),
     ({"moe_layer_freq": "__import__('os')"}, "--moe-layer-freq"),
-    ({"disable_bias_linear": False}, "MoE experts have no biases: add --disable-bias-linear"),
 ])
 def test_bad_router_settings_name_the_flags(fields, message):
     with pytest.raises(ConfigError, match=None) as error:
