@@ -7,7 +7,8 @@ each token attends within its own document only; in generation the same `documen
 holds a layer's view of the paged KV cache (tessera.inference.paged_attention.LayerCache),
 whose `attend` stores k and v and attends over the cached context. Under context
 parallelism the sequence is split over ranks and attention reaches the others' tokens
-(tessera.parallel.context).
+(tessera.parallel.context). Attention sinks and sliding windows (GPT-OSS: --softmax-type,
+--window-size) run through tessera.models.attention_sinks.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from torch import nn
 
 from tessera.config import ConfigError, ModelConfig
 from tessera.kernels.rope import apply_rotary, rotary_qkv
+from tessera.models.attention_sinks import sink_window_attention
 from tessera.models.documents import Documents
 from tessera.models.norm import build_norm
 from tessera.parallel.context import ContextAttention
 from tessera.parallel.random import DropoutRNG, checkpoint
-from tessera.parallel.sharding import rank_and_size
+from tessera.parallel.sharding import ShardSpec, annotate, rank_and_size
 from tessera.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 
@@ -33,9 +35,10 @@ class Attention(nn.Module):
     """Causal self-attention with fused QKV projection, GQA/MQA and SDPA kernels."""
 
     def __init__(self, config: ModelConfig, output_std: float, *, tp_group=None, sequence_parallel: bool = False,
-                 rng: DropoutRNG | None = None, recompute_core: bool = False, context: ContextAttention | None = None):
+                 rng: DropoutRNG | None = None, recompute_core: bool = False, context: ContextAttention | None = None,
+                 window: int | None = None):
         super().__init__()
-        _, tp_size = rank_and_size(tp_group)
+        tp_rank, tp_size = rank_and_size(tp_group)
         heads, groups = config.num_attention_heads, config.num_query_groups
         if heads % tp_size or (groups % tp_size and tp_size % groups):
             raise ConfigError(f"--num-attention-heads ({heads}) must be divisible by --tensor-model-parallel-size "
@@ -63,10 +66,21 @@ class Attention(nn.Module):
             self.k_norm = build_norm(config, tp_group, sequence_parallel=True, width=self.head_dim)
         else:
             self.q_norm = self.k_norm = None
+        self.window = window   # sliding window: keys this many tokens back at most (None: all)
+        if config.softmax_type == "off-by-one":   # a logit 0 in every denominator
+            self.register_buffer("sinks", torch.zeros(self.num_heads), persistent=False)
+        else:
+            self.sinks = _learned_sinks(config, tp_rank, tp_size, self.num_heads)
+        if context is not None and (self.sinks is not None or window is not None):
+            raise ConfigError("--context-parallel-size > 1 does not support --softmax-type learnable/off-by-one or "
+                              "--window-size yet")
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              documents: Documents | None) -> torch.Tensor:
         """softmax(q k^T / sqrt(d)) v on [b, heads, s, d]: causal, within each document when given."""
+        if self.sinks is not None or self.window is not None:
+            return sink_window_attention(q, k, v, self.sinks, self.window, documents,
+                                         enable_gqa=self.num_groups != self.num_heads)
         dropout_p = self.dropout if self.training else 0.0
         with self.rng.fork(q.device) if dropout_p > 0 and self.rng is not None else nullcontext():
             return core_attention(q, k, v, documents, dropout_p=dropout_p,
@@ -91,6 +105,14 @@ class Attention(nn.Module):
             # output would keep all of it alive (two thirds of it or more for nothing).
             v = v.contiguous()
         return attend_and_project(self, *(t.transpose(1, 2) for t in (q, k, v)), documents)
+
+
+def _learned_sinks(config: ModelConfig, tp_rank: int, tp_size: int, local_heads: int) -> nn.Parameter | None:
+    """This rank's heads' learned sink logits (--softmax-type learnable), or None."""
+    if config.softmax_type != "learnable":
+        return None
+    spec = ShardSpec((config.num_attention_heads,), 0, None, tp_rank, tp_size)
+    return annotate(nn.Parameter(torch.empty(local_heads)), spec, init_std=config.init_method_std)
 
 
 def attend_and_project(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -34,7 +34,7 @@ from tessera.parallel.random import DropoutRNG, dropout
 def build_layer(config: ModelConfig, index: int, *, moe: bool, **kwargs) -> nn.Module:
     """Layer `index` of the model: a TransformerBlock, or the pattern's layer of a hybrid stack."""
     if config.hybrid_layer_pattern is None:
-        return TransformerBlock(config, moe=moe, **kwargs)
+        return TransformerBlock(config, moe=moe, window=config.window_layers()[index], **kwargs)
     return HybridLayer(config, layer_symbols(config.hybrid_layer_pattern)[index], **kwargs)
 
 

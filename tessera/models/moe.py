@@ -10,7 +10,10 @@ router and its load-balancing losses in tessera.models.router. The experts of a 
 stacked weights [local experts, out, in] (the layout of Hugging Face's fused experts), run
 in two grouped GEMMs (--moe-grouped-gemm: tessera.kernels.grouped_gemm) or a loop over experts; with
 --fp8-experts, in two FP8 grouped GEMMs (tessera.kernels.fp8_grouped) either way.
-Routing weights scale each row after the activation, before fc2, as Megatron does.
+Routing weights scale each row after the activation, before fc2, as Megatron does; with
+biases (MoE without --disable-bias-linear: GPT-OSS) each row's fc1 bias is added before the
+activation and its fc2 bias, weighted by the row's routing weight, after fc2 (Megatron's
+TEGroupedMLP._apply_bias).
 
 The load-balancing losses enter the gradient through `_AttachAuxLoss`: the layer's output
 passes through unchanged, and in backward the loss receives `aux_loss_scale` (set by the
@@ -31,6 +34,7 @@ from tessera.kernels.fp8_grouped import fp8_grouped_linear, padded_groups
 from tessera.kernels.gelu import gelu
 from tessera.kernels.grouped_gemm import grouped_linear
 from tessera.kernels.swiglu import weighted_swiglu
+from tessera.models.gated_activation import gated_activation
 from tessera.models.mlp import MLP
 from tessera.models.router import Router
 from tessera.parallel.experts import ExpertGroups, build_dispatcher
@@ -93,15 +97,25 @@ class GroupedExperts(nn.Module):
         etp_rank, etp_size = rank_and_size(groups.etp)
         experts, hidden, ffn = config.num_experts, config.hidden_size, config.moe_ffn_hidden_size
         self.swiglu, self.openai_gelu, self.grouped_gemm = config.swiglu, config.openai_gelu, config.moe_grouped_gemm
-        fc1_rows = 2 * ffn if self.swiglu else ffn
+        self.gated_activation = gated_activation(config)
+        gated = config.gated_linear_unit
+        fc1_rows = 2 * ffn if gated else ffn
         cut = dict(rank=etp_rank, size=etp_size, expert_rank=ep_rank, expert_size=ep_size)
-        fc1_spec = ShardSpec((experts, fc1_rows, hidden), 1, (ffn, ffn) if self.swiglu else None, **cut)
+        fc1_spec = ShardSpec((experts, fc1_rows, hidden), 1, (ffn, ffn) if gated else None, **cut)
         fc2_spec = ShardSpec((experts, hidden, ffn), 2, None, **cut)
         local = experts // ep_size
         self.fc1 = annotate(nn.Parameter(torch.empty(local, fc1_rows // etp_size, hidden)), fc1_spec,
                             init_std=config.init_method_std, is_expert=True)
         self.fc2 = annotate(nn.Parameter(torch.empty(local, hidden, ffn // etp_size)), fc2_spec,
                             init_std=output_std, is_expert=True)
+        if config.add_bias_linear:   # zeros at first (Megatron's and transformers' init); never cut by ETP
+            experts_cut = dict(expert_rank=ep_rank, expert_size=ep_size)
+            self.fc1_bias = annotate(nn.Parameter(torch.empty(local, fc1_rows)),
+                                     ShardSpec((experts, fc1_rows), **experts_cut), is_expert=True)
+            self.fc2_bias = annotate(nn.Parameter(torch.empty(local, hidden)),
+                                     ShardSpec((experts, hidden), **experts_cut), is_expert=True)
+        else:
+            self.fc1_bias = self.fc2_bias = None
         self.fp8: Fp8Recipe | None = None   # set by --fp8-experts (tessera.training.fp8)
         # LoRA adapters of fc1 and fc2 (tessera.posttrain.lora): `adapter(x, y, gemm)` adds the update of
         # the rows x to the GEMM's output y, through the same grouped GEMM.
@@ -115,6 +129,8 @@ class GroupedExperts(nn.Module):
             if self.fc1_adapter is not None or self.fc2_adapter is not None:
                 raise ConfigError("--fp8-experts does not combine with LoRA adapters on the experts "
                                   "(--lora-target-modules, --lora-exclude-modules)")
+            if self.fc1_bias is not None:
+                raise ConfigError("--fp8-experts does not support expert biases yet (add --disable-bias-linear)")
             return self._fp8_forward(x, tokens_per_expert, probs, fc1, fc2)
         if self.grouped_gemm and grouped_mm_available(x.device.type, dtype):
             bounds = F.pad(torch.cumsum(tokens_per_expert, 0), (1, 0)).to(torch.int32)
@@ -126,8 +142,14 @@ class GroupedExperts(nn.Module):
 
             def gemm(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
                 return torch.cat([F.linear(group, w) for group, w in zip(rows.split(sizes), weight)])
-        hidden = self._weighted_activation(_adapted(gemm, x, fc1, self.fc1_adapter), probs)
-        return _adapted(gemm, hidden, fc2, self.fc2_adapter)
+        if self.fc1_bias is None:
+            hidden = self._weighted_activation(_adapted(gemm, x, fc1, self.fc1_adapter), probs)
+            return _adapted(gemm, hidden, fc2, self.fc2_adapter)
+        expert = torch.repeat_interleave(torch.arange(len(fc1), device=x.device), tokens_per_expert,
+                                         output_size=x.shape[0])   # each row's local expert
+        hidden = _adapted(gemm, x, fc1, self.fc1_adapter) + self.fc1_bias.to(dtype)[expert]
+        out = _adapted(gemm, self._weighted_activation(hidden, probs), fc2, self.fc2_adapter)
+        return out + (self.fc2_bias[expert] * probs.unsqueeze(-1)).to(dtype)
 
     def _fp8_forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor,
                      fc1: torch.Tensor, fc2: torch.Tensor) -> torch.Tensor:
@@ -142,6 +164,8 @@ class GroupedExperts(nn.Module):
 
     def _weighted_activation(self, hidden: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         # In fp32, back to the GEMMs' dtype: SwiGLU by one kernel each way, GeLU as a compiled block fuses it.
+        if self.gated_activation is not None:
+            return (self.gated_activation(hidden.to(probs.dtype)) * probs.unsqueeze(-1)).to(hidden.dtype)
         if self.swiglu:
             return weighted_swiglu(hidden, probs)
         out = gelu(hidden.float(), tanh=self.openai_gelu) * probs.unsqueeze(-1)

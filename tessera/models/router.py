@@ -1,7 +1,7 @@
 """The router of a MoE layer: which experts each token goes to and with what weight, and
 the load-balancing losses that keep the experts evenly used.
 
-Semantics and flags are Megatron-Core's (shared/reference/moe.md, section 1):
+Semantics and flags are Megatron-Core's (TopKRouter in megatron/core/transformer/moe/router.py):
 
     softmax          top-k of the logits, then softmax over the k chosen (= Mixtral's softmax,
                      top-k, renormalise); --moe-router-pre-softmax: softmax over all experts,
@@ -71,6 +71,11 @@ class Router(nn.Module):
         # Replicated over TP; under SP each rank routes its own tokens (a partial gradient).
         self.weight = annotate(nn.Parameter(torch.empty(shape)), ShardSpec(shape, None, None, tp_rank, tp_size),
                                init_std=config.init_method_std, sequence_parallel=sequence_parallel)
+        # Megatron's router has a bias when the linear layers do (GPT-OSS's router bias).
+        self.bias = annotate(nn.Parameter(torch.empty(self.num_experts)), ShardSpec((self.num_experts,), None, None,
+                                                                                    tp_rank, tp_size),
+                             init_std=config.init_method_std, sequence_parallel=sequence_parallel) \
+            if config.add_bias_linear else None
         if config.moe_router_enable_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(self.num_experts))   # saved: part of the model
         else:
@@ -98,9 +103,10 @@ class Router(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.dtype is None:
-            return F.linear(x, self.weight)   # in the autocast dtype, like every other GEMM
+            return F.linear(x, self.weight, self.bias)   # in the autocast dtype, like every other GEMM
         with torch.autocast(x.device.type, enabled=False):
-            return F.linear(x.to(self.dtype), self.weight.to(self.dtype))
+            bias = self.bias.to(self.dtype) if self.bias is not None else None
+            return F.linear(x.to(self.dtype), self.weight.to(self.dtype), bias)
 
     # -- choosing experts ------------------------------------------------------------------
 

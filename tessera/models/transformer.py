@@ -30,12 +30,14 @@ from tessera.parallel.random import DropoutRNG, dropout
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + attention(norm(x)), then x + mlp(norm(x)), with dropout on each branch.
 
-    With `moe=True` the MLP is a MoELayer (router, experts, optional shared expert).
+    With `moe=True` the MLP is a MoELayer (router, experts, optional shared expert); `window`
+    makes the attention a sliding window over that many earlier tokens (--window-size).
     """
 
     def __init__(self, config: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
                  rng: DropoutRNG | None = None, recompute_core: bool = False, moe: bool = False,
-                 expert_groups: ExpertGroups | None = None, context: ContextAttention | None = None):
+                 expert_groups: ExpertGroups | None = None, context: ContextAttention | None = None,
+                 window: int | None = None):
         super().__init__()
         # Output projections are scaled by 1/sqrt(2 * layers) so the residual stream's
         # variance does not grow with depth (GPT-2, Megatron).
@@ -43,7 +45,8 @@ class TransformerBlock(nn.Module):
         self.input_norm = build_norm(config, tp_group, sequence_parallel)
         attention = MultiLatentAttention if config.multi_latent_attention else Attention
         self.attention = attention(config, output_std, tp_group=tp_group, sequence_parallel=sequence_parallel,
-                                   rng=rng, recompute_core=recompute_core, context=context)
+                                   rng=rng, recompute_core=recompute_core, context=context,
+                                   **({"window": window} if window is not None else {}))
         self.post_attention_norm = build_norm(config, tp_group, sequence_parallel)
         if moe:
             self.mlp = MoELayer(config, output_std, tp_group=tp_group, sequence_parallel=sequence_parallel,

@@ -48,6 +48,13 @@ d = heads x head dim inner channels, g groups, N the state size and n heads,
 
 (Megatron writes d = 2h, which it is unless --mamba-num-heads says otherwise.)
 
+Sliding-window attention (--window-size) is counted as Megatron counts it: not at all, each
+windowed layer's core attention counted as full causal attention over s (so GPT-OSS's
+attention term is overstated at long sequences, by Megatron's convention, and MFUs compare);
+sink logits cost nothing worth counting. A gated MLP counts G = 3 whether --swiglu or
+--quick-geglu (Megatron's formula keys on --swiglu alone and would count GPT-OSS's experts as
+2: the GEMMs are three).
+
 Multi-token prediction (--mtp-num-layers D), as Megatron counts it: each depth is one more
 layer of the last layer's kind (attention, core attention and MLP terms), plus its norms and
 projection 6 * (3h + 2h^2), and one more pass through the output layer, 6 * h*V.
@@ -90,7 +97,7 @@ def _norm_params(config: ModelConfig, width: int | None = None) -> int:
 
 
 def _mlp_params(config: ModelConfig, ffn: int) -> int:
-    gate = 2 if config.swiglu else 1
+    gate = 2 if config.gated_linear_unit else 1
     return (gate + 1) * config.hidden_size * ffn + (gate * ffn + config.hidden_size) * config.add_bias_linear
 
 
@@ -117,7 +124,8 @@ def _attention_params(config: ModelConfig) -> int:
     (_, qkv), _ = projections
     biases = qkv * (config.add_bias_linear or config.add_qkv_bias) + config.hidden_size * config.add_bias_linear
     norms = 2 * _norm_params(config, config.kv_channels) if config.qk_layernorm else 0
-    return weights + biases + norms
+    sinks = config.num_attention_heads if config.softmax_type == "learnable" else 0
+    return weights + biases + norms + sinks
 
 
 def _core_attention_width(config: ModelConfig) -> int:
@@ -223,7 +231,7 @@ def flops_per_token(config: ModelConfig, seq_length: int | None = None, vocab_si
     layers = _attention_layers(config)
     s = seq_length if seq_length is not None else config.seq_length
     vocab = vocab_size if vocab_size is not None else config.padded_vocab_size()
-    gated = 3 if config.swiglu else 2
+    gated = 3 if config.gated_linear_unit else 2
     projections = sum(i * o for i, o in attention_projections(config))
     mtp = depths * (3 * h + 2 * h * h)   # Megatron's count of the depths' norms and projections
     linear = layers * projections + gated * h * sum(_mlp_widths(config)) + mtp + h * vocab * (1 + depths)
