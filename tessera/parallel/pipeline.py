@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from tessera.parallel.pipeline_schedules import (
+from tessera.parallel.pipeline_actions import (
     FORWARD, RECV_ACTIVATION, RECV_GRAD, SEND_ACTIVATION, SEND_GRAD, Action, Schedule,
 )
 

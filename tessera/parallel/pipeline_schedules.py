@@ -1,6 +1,7 @@
 """Pipelines as data: which layers each stage holds (`stage_layer_ranges`) and, for every
-pipeline rank, the ordered list of its actions (`build_schedule`). No torch here: the
-planner (tessera.perf) uses the same split as the trainer.
+pipeline rank, the ordered list of its actions (`build_schedule`; the types in
+tessera.parallel.pipeline_actions). No torch here: the planner (tessera.perf) uses the same
+split as the trainer.
 
 An action is a forward or backward pass of one micro-batch through one model chunk, or
 a send / receive of an activation or its gradient to a neighbouring rank. One runner
@@ -31,89 +32,21 @@ receives in one group wait on a rank that waits on them).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterator
 
 from tessera.config import ConfigError
+from tessera.parallel.pipeline_actions import (
+    BACKWARD, FORWARD, RECV_ACTIVATION, RECV_GRAD, SEND_ACTIVATION, SEND_GRAD, Action, Schedule,
+)
+from tessera.parallel.pipeline_simulation import simulate
 
-FORWARD, BACKWARD = "F", "B"
-SEND_ACTIVATION, RECV_ACTIVATION, SEND_GRAD, RECV_GRAD = "send_act", "recv_act", "send_grad", "recv_grad"
 SCHEDULES = ("1f1b", "gpipe")  # interleaved 1F1B is 1f1b with vp_size > 1
-
-
-@dataclass(frozen=True)
-class Action:
-    kind: str            # FORWARD, BACKWARD, or one of the four transfers
-    micro_batch: int
-    chunk: int           # the local model chunk the compute (or the transferred tensor) belongs to
-    peer: int | None = None  # pipeline rank at the other end of a transfer
-
-    @property
-    def is_compute(self) -> bool:
-        return self.kind in (FORWARD, BACKWARD)
-
-    def __str__(self) -> str:
-        if self.is_compute:
-            return f"{self.kind}{self.micro_batch}" + (f".{self.chunk}" if self.chunk else "")
-        arrow = "->" if self.kind.startswith("send") else "<-"
-        return f"{self.kind}{self.micro_batch}.{self.chunk}{arrow}{self.peer}"
-
-
-@dataclass(frozen=True)
-class Schedule:
-    name: str
-    pp_size: int
-    vp_size: int
-    num_micro_batches: int
-    forward_only: bool
-    ranks: tuple[tuple[Action, ...], ...]   # ranks[pp_rank]: that rank's actions in order
-    overlap_p2p: bool = False               # transfers stay in flight across computes
-
-    def steps(self, pp_rank: int) -> Iterator[Action | list[Action]]:
-        """The actions of a rank as the runner executes them: a compute action, or a list
-        of consecutive transfers posted together as one batch."""
-        batch: list[Action] = []
-        for action in self.ranks[pp_rank]:
-            if action.is_compute:
-                if batch:
-                    yield batch
-                    batch = []
-                yield action
-            else:
-                batch.append(action)
-        if batch:
-            yield batch
-
-    def last_backwards(self, pp_rank: int) -> set[tuple[int, int]]:
-        """(micro_batch, chunk) of the last backward of each chunk on a rank: where the
-        data-parallel gradient reduction of that chunk may start."""
-        last = {a.chunk: a.micro_batch for a in self.ranks[pp_rank] if a.kind == BACKWARD}
-        return {(mb, chunk) for chunk, mb in last.items()}
-
-    def theoretical_bubble(self) -> float:
-        """Idle fraction of an ideal pipeline: (p - 1) / (v * m + p - 1)."""
-        p, v, m = self.pp_size, self.vp_size, self.num_micro_batches
-        return (p - 1) / (v * m + p - 1)
-
-    def format(self) -> str:
-        title = (f"{self.name} schedule: {self.pp_size} pipeline ranks x {self.vp_size} chunks, "
-                 f"{self.num_micro_batches} micro-batches; theoretical bubble {self.theoretical_bubble():.1%}")
-        waits = ("each receive waited on by the compute that consumes it" if self.overlap_p2p
-                 else "waited on before the next compute")
-        lines = [title, f"  F<mb>.<chunk> forward, B backward, [..] transfers posted together, {waits}"]
-        for rank in range(self.pp_size):
-            parts = [str(s) if isinstance(s, Action) else "[" + " ".join(map(str, s)) + "]"
-                     for s in self.steps(rank)]
-            lines.append(f"rank {rank}: " + " ".join(parts))
-        return "\n".join(lines)
 
 
 def build_schedule(name: str, pp_size: int, num_micro_batches: int, vp_size: int = 1, *,
                    forward_only: bool = False, overlap_p2p: bool = False) -> Schedule:
     """The schedule `name` ('1f1b' or 'gpipe'; '1f1b' interleaves when vp_size > 1),
     checked by simulation: transfers match across ranks and nothing deadlocks."""
-    from tessera.parallel.pipeline_simulation import simulate  # the checker builds on this module
-
     if name not in SCHEDULES:
         raise ConfigError(f"--pipeline-schedule {name}: choose one of {', '.join(SCHEDULES)}")
     if pp_size < 1 or num_micro_batches < 1 or vp_size < 1:

@@ -1,6 +1,6 @@
 """Execute a pipeline schedule without a model: prove it safe and measure its bubble.
 
-Each rank walks its steps (tessera.parallel.pipeline_schedules.Schedule.steps) and waits
+Each rank walks its steps (tessera.parallel.pipeline_actions.Schedule.steps) and waits
 where the runner (tessera.parallel.pipeline) waits: on each batch of transfers right after
 posting it, or with overlapped communication (`Schedule.overlap_p2p`) on a receive right
 before the compute that consumes it and on everything at the end of the step. Posting
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Iterator
 
-from tessera.parallel.pipeline_schedules import (
+from tessera.parallel.pipeline_actions import (
     FORWARD, RECV_ACTIVATION, RECV_GRAD, SEND_ACTIVATION, SEND_GRAD, Action, Schedule,
 )
 

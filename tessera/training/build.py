@@ -24,7 +24,8 @@ from tessera.parallel.fsdp import apply_fsdp2
 from tessera.parallel.launch import init_distributed, job_world_size
 from tessera.parallel.mesh import Mesh
 from tessera.parallel.pipeline import PipelineGroups, PipelineRunner
-from tessera.parallel.pipeline_schedules import Schedule, build_schedule, stage_layer_ranges
+from tessera.parallel.pipeline_actions import Schedule
+from tessera.parallel.pipeline_schedules import build_schedule, stage_layer_ranges
 from tessera.training import fp8
 
 # Inductor times a few block sizes for each kernel it generates (Triton only, at the first

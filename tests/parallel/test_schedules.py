@@ -6,9 +6,8 @@ from collections import Counter
 import pytest
 
 from tessera.config import ConfigError
-from tessera.parallel.pipeline_schedules import (
-    BACKWARD, FORWARD, RECV_ACTIVATION, SEND_ACTIVATION, Action, Schedule, build_schedule,
-)
+from tessera.parallel.pipeline_actions import BACKWARD, FORWARD, RECV_ACTIVATION, SEND_ACTIVATION, Action, Schedule
+from tessera.parallel.pipeline_schedules import build_schedule
 from tessera.parallel.pipeline_simulation import ScheduleError, simulate
 
 # (schedule, pp_size, vp_size, num_micro_batches); interleaving needs m to be a multiple of p.
