@@ -72,11 +72,23 @@ def _report_captures(engine, warmed_up: tuple[int, float]) -> None:
 def _serve(engine, tokenizer, name: str, sections: dict, on_shutdown) -> None:
     import uvicorn
 
+    from tessera.inference.auth import is_loopback
+    from tessera.inference.drain import DrainingServer
     from tessera.inference.server import create_app
 
     args = sections["serve"]
-    app = create_app(engine, tokenizer, model_name=args.served_model_name or name, on_shutdown=on_shutdown)
+    app = create_app(engine, tokenizer, model_name=args.served_model_name or name, serving=args,
+                     on_shutdown=on_shutdown)
     print(f"{PROG}: '{app.state.server.model_name}' on http://{args.host}:{args.port}/v1 "
-          f"(context {engine.max_seq_length}, {sections['inference'].inference_max_requests} requests at a time)",
-          file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+          f"(context {engine.max_seq_length}, {sections['inference'].inference_max_requests} requests at a time, "
+          f"{args.max_queued_requests} more queued{', API key required' if args.api_key else ''})", file=sys.stderr)
+    if not args.api_key and not is_loopback(args.host):
+        print(f"{PROG}: warning: --host {args.host} takes connections from other machines and no --api-key is set: "
+              "anyone who reaches the port can use the model", file=sys.stderr)
+
+    async def drain() -> None:
+        finished, cut = await app.state.server.drain(args.drain_timeout)
+        print(f"{PROG}: drained on SIGTERM: {finished} of {finished + cut} requests in flight finished, {cut} cut "
+              f"at --drain-timeout ({args.drain_timeout:g} s)", file=sys.stderr, flush=True)
+
+    DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level), drain).run()

@@ -2,25 +2,28 @@
 
     InferenceConfig  the model, its tokenizer and the engine (both commands)
     GenerateConfig   prompts, output and sampling (`tessera generate`)
-    ServeConfig      HTTP (`tessera serve`)
+    ServeConfig      HTTP, keys, admission, limits and drain (`tessera serve`)
 
 Megatron-LM's names where it has them (`--load`, `--tokenizer-type`, `--inference-max-requests`,
 `--inference-max-seq-length`, `--inference-dynamic-batching-prefix-caching`, `--seed`,
 `--tensor-model-parallel-size`; megatron/training/arguments.py, _add_inference_args), vLLM's
-for the server's (`--served-model-name`; vllm/entrypoints/openai/cli_args.py).
+for the server's (`--served-model-name`, `--api-key`; vllm/entrypoints/openai/cli_args.py).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from tessera.config.data import DataConfig
 from tessera.config.fields import flag, option, require
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+API_KEY_VARIABLE = "TESSERA_API_KEY"   # as vLLM's VLLM_API_KEY
 TOKENIZER = "tokenizer (default: the tokenizer files of --hf or --load, else the copy a tessera checkpoint carries)"
 PARALLEL = "parallel (under torchrun)"
 OUTPUT = "prompts and output"
+LIMITS = "admission and limits"
 
 
 def at_least(obj, low: float, *names: str) -> None:
@@ -107,12 +110,32 @@ class GenerateConfig:
 
 @dataclass
 class ServeConfig:
-    """HTTP of `tessera serve`."""
+    """HTTP, keys, admission, limits and drain of `tessera serve`."""
 
     host: str = option("127.0.0.1", "address to listen on (0.0.0.0: every interface)")
     port: int = option(8000, "port to listen on")
     served_model_name: str | None = option(None, "the model's name in the API (default: the directory's name)")
     log_level: str = option("info", "uvicorn's log level", ("critical", "error", "warning", "info", "debug"))
+    api_key: list[str] | None = option(
+        None, f"clients must send 'Authorization: Bearer KEY' on every route but /health (repeatable: any of the "
+        f"keys; default: ${API_KEY_VARIABLE})", repeat=True, metavar="KEY")
+    max_queued_requests: int = option(
+        256, "requests that may wait beyond --inference-max-requests; past both, 429 with Retry-After",
+        group=LIMITS, metavar="N")
+    max_request_bytes: int = option(4 * 2**20, "largest request body; past it, 413", group=LIMITS, metavar="BYTES")
+    request_timeout: float | None = option(
+        None, "seconds a request may take, queueing included; past them it is cut (408) and its KV blocks freed "
+        "(default: no limit)", group=LIMITS, metavar="SECONDS")
+    drain_timeout: float = option(
+        30.0, "on SIGTERM: seconds in-flight requests may take to finish while new ones get 503, before the "
+        "rest are cut and the server exits", group=LIMITS, metavar="SECONDS")
 
     def __post_init__(self) -> None:
         require(0 <= self.port < 65536, f"--port must be in [0, 65535], got {self.port}")
+        if self.api_key is None:
+            self.api_key = [os.environ[API_KEY_VARIABLE]] if os.environ.get(API_KEY_VARIABLE) else []
+        require(all(key.strip() for key in self.api_key), f"--api-key (or ${API_KEY_VARIABLE}) must not be empty")
+        at_least(self, 0, "max_queued_requests", "drain_timeout")
+        at_least(self, 1, "max_request_bytes")
+        require(self.request_timeout is None or self.request_timeout > 0,
+                f"--request-timeout must be positive, got {self.request_timeout}")

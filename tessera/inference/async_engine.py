@@ -126,6 +126,15 @@ class AsyncEngine:
         """Stop a request (thread-safe; an unknown or finished id is ignored)."""
         self._commands.put((_ABORT, request_id))
 
+    def cut_all(self, error: BaseException) -> int:
+        """End every request being read: the engine aborts it (freeing its KV blocks) and its stream
+        raises `error`. Returns how many there were (a drain's deadline)."""
+        request_ids = list(self._streams)
+        for request_id in request_ids:
+            self.abort(request_id)
+        self._fail_all(error)
+        return len(request_ids)
+
     def _forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 

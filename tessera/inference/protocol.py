@@ -23,9 +23,10 @@ class APIError(Exception):
     """A request the server refuses: its HTTP status and OpenAI's error body."""
 
     def __init__(self, message: str, *, status: int = 400, param: str | None = None,
-                 kind: str = "invalid_request_error", code: str | None = None):
+                 kind: str = "invalid_request_error", code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.param, self.kind, self.code = status, param, kind, code
+        self.headers = headers or {}   # Retry-After, WWW-Authenticate
 
     def body(self) -> dict:
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}

@@ -7,10 +7,14 @@ per chunk, then `data: [DONE]`). A client that goes away cancels its requests.
 
     POST /v1/completions, /v1/chat/completions   OpenAI's schemas (with vLLM's extras: top_k, min_p, ...)
     GET  /v1/models, /health                     the served model; 200 while the engine runs, else 503
+    GET  /metrics                                Prometheus's text format (tessera.inference.metrics)
     PUT  /api                                    Megatron-LM's text generation server
 
-Every refusal is OpenAI's error body `{"error": {"message", "type", "param", "code"}}` with a
-4xx status (503 when the engine has stopped).
+What guards them (ServeConfig's flags): API keys (tessera.inference.auth), bounded admission
+and the body-size limit (tessera.inference.admission), a deadline per request, and the drain
+on SIGTERM (tessera.inference.drain). Every refusal is OpenAI's error body `{"error":
+{"message", "type", "param", "code"}}` with a 4xx status (503 when the engine has stopped or
+the server drains).
 """
 
 from __future__ import annotations
@@ -27,7 +31,11 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tessera.config.inference import ServeConfig
+from tessera.inference.admission import RETRY_AFTER, Admission, read_body
 from tessera.inference.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from tessera.inference.auth import RequireKey
+from tessera.inference.metrics import CountResponses, ServerMetrics
 from tessera.inference.protocol import (
     MAX_CHOICES, MEGATRON_UNSUPPORTED, APIError, ChatCompletionRequest, CompletionRequest, MegatronRequest, SamplingFields,
     clean_logprob, parse_request,
@@ -49,18 +57,28 @@ class _Choice:
     params: SamplingParams
     text: RequestText      # the text, tokens and log-probs so far
     text_offset: int = 0   # where the next token's text starts (completions' log-probs)
+    started: float = 0.0   # event-loop time of its admission
+    last_output: float | None = None
 
 
 class Server:
     """What the routes share: the engine, the tokenizer, checks and the shapes of answers."""
 
-    def __init__(self, engine: AsyncEngine, tokenizer: TextTokenizer, model_name: str):
+    def __init__(self, engine: AsyncEngine, tokenizer: TextTokenizer, model_name: str, serving: ServeConfig):
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_seq_length = engine.engine.max_seq_length
         self.hidden_token_ids = set(engine.engine.eos_token_ids) | set(tokenizer.eos_token_ids)
         self.created = int(time.time())
+        core = getattr(engine.engine, "engine", engine.engine)   # a lockstep.Leader wraps rank 0's engine
+        self.admission = Admission(engine, core.scheduler.max_requests, serving.max_queued_requests)
+        self.metrics = ServerMetrics(core)
+        self.max_request_bytes, self.request_timeout = serving.max_request_bytes, serving.request_timeout
+
+    async def read(self, request: Request, model: type, refuse: tuple[str, ...] = ()):
+        """The request's body as `model` (tessera.inference.protocol), within --max-request-bytes."""
+        return parse_request(model, await read_body(request, self.max_request_bytes), refuse)
 
     def check_model(self, fields: SamplingFields) -> None:
         if fields.model is not None and fields.model != self.model_name:
@@ -103,20 +121,57 @@ class Server:
         return choices
 
     async def start(self, choices: list[_Choice]) -> RequestStream:
+        """Admit the choices (or raise the refusal) and queue them into the engine."""
+        self.admission.admit(len(choices))
+        now = asyncio.get_running_loop().time()
+        for choice in choices:
+            choice.started = now
         try:
-            return await self.engine.add_requests([(c.request_id, c.prompt_ids, c.params) for c in choices])
+            stream = await self.engine.add_requests([(c.request_id, c.prompt_ids, c.params) for c in choices])
         except ValueError as exc:   # the engine's own checks (a token id outside the vocabulary, ...)
             raise APIError(str(exc)) from None
-        except EngineDeadError as exc:
-            raise APIError(str(exc), status=503, kind="server_error") from None
+        self.metrics.prompt_tokens.inc(sum(len(choice.prompt_ids) for choice in choices))
+        return stream
+
+    async def _next_output(self, stream: RequestStream, deadline: float | None):
+        """The stream's next output; 408 once `deadline` (event-loop time) has passed."""
+        if deadline is None:
+            return await anext(stream)
+        try:
+            if asyncio.get_running_loop().time() >= deadline:
+                raise TimeoutError
+            async with asyncio.timeout_at(deadline):
+                return await anext(stream)
+        except TimeoutError:
+            raise APIError(f"the request ran past this server's --request-timeout ({self.request_timeout:g} s)",
+                           status=408, code="request_timeout") from None
+
+    async def drain(self, timeout: float) -> tuple[int, int]:
+        """Refuse new requests and wait up to `timeout` seconds for those in flight; cut the rest.
+        Returns (finished, cut), counted in engine requests."""
+        self.admission.draining = True
+        in_flight = self.engine.num_streams
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.engine.num_streams and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        cut = self.engine.cut_all(EngineDeadError(f"the server is shutting down: --drain-timeout ({timeout:g} s) "
+                                                  "passed before this request finished"))
+        return in_flight - cut, cut
 
     async def deltas(self, stream: RequestStream, choices: list[_Choice]
                      ) -> AsyncIterator[tuple[_Choice, TextDelta]]:
         """(choice, delta) as outputs arrive; the stream is closed (what is left aborted) on exit."""
         by_id = {choice.request_id: choice for choice in choices}
+        deadline = choices[0].started + self.request_timeout if self.request_timeout else None
+        loop = asyncio.get_running_loop()
         try:
-            async for output in stream:
-                choice = by_id[output.request_id]
+            while not stream.finished:
+                output = await self._next_output(stream, deadline)
+                choice, now = by_id[output.request_id], loop.time()
+                self.metrics.output(choice.started, choice.last_output, now, len(output.token_ids),
+                                    output.finish_reason)
+                choice.last_output = now if output.token_ids else choice.last_output
                 delta = choice.text.update(output)
                 if delta is not None:
                     yield choice, delta
@@ -203,11 +258,17 @@ def _event_stream(chunks: AsyncIterator[dict]) -> StreamingResponse:
         try:
             async for chunk in chunks:
                 yield _sse(chunk)
-        except EngineDeadError as exc:   # the headers are sent: the error becomes an event
-            yield _sse(APIError(str(exc), status=503, kind="server_error").body())
+        except (APIError, EngineDeadError) as exc:   # the headers are sent: the error becomes an event
+            yield _sse(_api_error(exc).body())
         yield _sse("[DONE]")
 
     return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _api_error(exc: APIError | EngineDeadError) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    return APIError(str(exc), status=503, kind="server_error", headers=RETRY_AFTER)
 
 
 def _completion_prompts(server: Server, prompt) -> list[list[int]]:
@@ -225,7 +286,7 @@ def _completion_prompts(server: Server, prompt) -> list[list[int]]:
 def add_completions(app: FastAPI, server: Server) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = parse_request(CompletionRequest, await request.body())
+        body = await server.read(request, CompletionRequest)
         server.check_model(body)
         if body.suffix or (body.best_of or 1) > 1:
             raise APIError("'suffix' and 'best_of' are not supported", param="suffix" if body.suffix else "best_of")
@@ -286,7 +347,7 @@ async def _chunks(server: Server, body: SamplingFields, header: dict, stream: Re
 def add_chat(app: FastAPI, server: Server) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = parse_request(ChatCompletionRequest, await request.body())
+        body = await server.read(request, ChatCompletionRequest)
         server.check_model(body)
         if body.tools:
             raise APIError("'tools' are not supported", param="tools")
@@ -322,7 +383,7 @@ def add_megatron_api(app: FastAPI, server: Server) -> None:
 
     @app.put("/api")
     async def megatron_generate(request: Request):
-        body = parse_request(MegatronRequest, await request.body(), refuse=MEGATRON_UNSUPPORTED)
+        body = await server.read(request, MegatronRequest, refuse=MEGATRON_UNSUPPORTED)
         if body.top_k > 0 and body.top_p > 0:
             raise APIError("cannot set both top_k and top_p", param="top_p")
         prompts = [server.tokenizer.encode(text, add_special_tokens=body.add_BOS) for text in body.prompts]
@@ -355,19 +416,25 @@ def add_info(app: FastAPI, server: Server) -> None:
 
     @app.get("/health")
     async def health():
+        if server.admission.draining:
+            raise APIError("the server is shutting down", status=503, kind="server_error", headers=RETRY_AFTER)
         if server.engine.alive:
             return {"status": "ok"}
-        error = APIError(f"the engine is not running ({server.engine.error!r})", status=503, kind="server_error")
-        return JSONResponse(error.body(), status_code=503)
+        raise APIError(f"the engine is not running ({server.engine.error!r})", status=503, kind="server_error")
+
+    @app.get("/metrics")
+    async def metrics():
+        return server.metrics.response()
 
 
-def create_app(engine, tokenizer: TextTokenizer, *, model_name: str,
+def create_app(engine, tokenizer: TextTokenizer, *, model_name: str, serving: ServeConfig | None = None,
                on_shutdown: Callable[[], None] | None = None) -> FastAPI:
-    """The app serving `engine` (a tessera.inference.engine.Engine) as `model_name`.
+    """The app serving `engine` (a tessera.inference.engine.Engine) as `model_name`, with the keys
+    and limits of `serving` (its defaults when None: no key, unless $TESSERA_API_KEY sets one).
 
     The engine's thread starts and stops with the app (its lifespan); `on_shutdown` runs after
-    it stops. (Code after `uvicorn.run` does not run when a signal stopped the server: uvicorn
-    raises the signal again once it has shut down.)
+    it stops, however the server stopped (after SIGINT uvicorn raises the signal again once it
+    has shut down, and code after its `run` does not run).
     """
     async_engine = AsyncEngine(engine)
 
@@ -381,13 +448,16 @@ def create_app(engine, tokenizer: TextTokenizer, *, model_name: str,
             if on_shutdown is not None:
                 on_shutdown()
 
+    serving = serving or ServeConfig()
     app = FastAPI(title="tessera", lifespan=lifespan)
-    server = Server(async_engine, tokenizer, model_name)
+    server = Server(async_engine, tokenizer, model_name, serving)
     app.state.server = server
 
     @app.exception_handler(APIError)
-    async def api_error(_request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+    @app.exception_handler(EngineDeadError)   # the engine stopped, or a drain cut the request
+    async def api_error(_request: Request, exc: APIError | EngineDeadError) -> JSONResponse:
+        error = _api_error(exc)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -402,4 +472,8 @@ def create_app(engine, tokenizer: TextTokenizer, *, model_name: str,
 
     for add in (add_completions, add_chat, add_megatron_api, add_info):
         add(app, server)
+    if serving.api_key:
+        app.add_middleware(RequireKey, keys=serving.api_key)
+    app.add_middleware(CountResponses, metrics=server.metrics,   # outermost: counts the 401s too
+                       routes=frozenset(route.path for route in app.routes))
     return app
