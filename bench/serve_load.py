@@ -2,6 +2,7 @@
 
     python bench/serve_load.py --url http://127.0.0.1:8000 --clients 64 --requests 256 --out serve.json
     python bench/serve_load.py --clients 64 --out serve.json -- --hf HF_DIR --port 8000   # starts the server too
+    python bench/serve_load.py --flood --clients 256 -- --hf HF_DIR --port 8000 --max-queued-requests 64
 
 Each client sends streaming /v1/completions requests one after the other (`ignore_eos`, so
 every request makes exactly --max-tokens tokens) with a prompt of about --prompt-tokens
@@ -12,7 +13,23 @@ request to the first chunk with text), the median time between two streamed chun
 (a chunk is one engine output: with greedy runs up to --inference-decode-steps tokens, so this
 is not a per-token time), and the count of failed requests (HTTP errors, error events, short
 answers). With arguments after `--`, `tessera serve` is started with them, waited for (on its
---host and --port), and stopped at the end.
+--host and --port), and stopped at the end; --api-key (or $TESSERA_API_KEY) is sent as the bearer key.
+
+--flood: more clients than the server admits (--inference-max-requests + --max-queued-requests).
+A request told to retry (429 or 503 with Retry-After) waits as long as it says and is sent again.
+Reported: requests served whole, answers that said retry, requests lost (anything else: an
+error, a dropped connection, a short answer; the server promises none), and the time to first
+token of the served (from the send of the attempt that was served).
+
+The limits' cost on one H200 (config B's shape), in one call: 64 clients, which never meet the
+limits, then 256 clients against 64 running + 64 queued; the served tokens/s of the second
+should be within 2% of the first's, with 0 lost:
+
+    python3 bench/serve_model.py /tmp/b && \
+    python3 bench/serve_load.py --clients 64 --requests 256 --warmup 64 --out serve64.json \
+        -- --hf /tmp/b --port 8011 --inference-max-seq-length 1024 && \
+    python3 bench/serve_load.py --flood --clients 256 --requests 1024 --warmup 64 --out flood256.json \
+        -- --hf /tmp/b --port 8011 --inference-max-seq-length 1024 --max-queued-requests 64
 """
 
 from __future__ import annotations
@@ -20,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -50,6 +68,8 @@ def _percentile(values: list[float], q: float) -> float | None:
 
 
 async def _one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> dict:
+    """{"ttft", "tokens", "end", "inter_chunk"} of a request served whole, {"retry_after": seconds} of
+    one told to retry, {"error": why} otherwise."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     sent = time.perf_counter()
@@ -57,6 +77,8 @@ async def _one_request(client: httpx.AsyncClient, url: str, model: str, prompt: 
     arrivals = []
     tokens = 0
     async with client.stream("POST", url + "/v1/completions", json=body) as response:
+        if response.status_code in (429, 503) and "retry-after" in response.headers:
+            return {"retry_after": float(response.headers["retry-after"])}
         if response.status_code != 200:
             return {"error": f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"}
         async for line in response.aiter_lines():
@@ -82,16 +104,27 @@ async def _run(args: argparse.Namespace, model: str) -> dict:
     pending = list(range(args.requests))
     run = uuid.uuid4().hex[:8]
     results: list[dict] = []
+    retries = 0
     limits = httpx.Limits(max_connections=args.clients, max_keepalive_connections=args.clients)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits, headers=_auth(args)) as client:
+        async def attempt(index: int) -> dict:
+            try:
+                return await _one_request(client, args.url, model, _prompt(run, index, args.prompt_tokens),
+                                          args.max_tokens)
+            except (httpx.HTTPError, json.JSONDecodeError) as exc:
+                return {"error": f"{type(exc).__name__}: {exc}"}
+
         async def worker() -> None:
+            nonlocal retries
             while pending:
                 index = pending.pop(0)
-                try:
-                    results.append(await _one_request(client, args.url, model, _prompt(run, index, args.prompt_tokens),
-                                                      args.max_tokens))
-                except (httpx.HTTPError, json.JSONDecodeError) as exc:
-                    results.append({"error": f"{type(exc).__name__}: {exc}"})
+                result = await attempt(index)
+                while "retry_after" in result and args.flood:
+                    retries += 1
+                    await asyncio.sleep(result["retry_after"])
+                    result = await attempt(index)
+                results.append({"error": "told to retry (--flood was not given)"} if "retry_after" in result
+                               else result)
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(args.clients)))
@@ -106,7 +139,16 @@ async def _run(args: argparse.Namespace, model: str) -> dict:
         "tokens_per_s": tokens / wall, "ttft_median_s": statistics.median(ttfts) if ttfts else None,
         "ttft_p99_s": _percentile(ttfts, 99), "inter_chunk_median_s": statistics.median(gaps) if gaps else None,
         "errors": len(results) - len(good), "error_examples": [r["error"] for r in results if "error" in r][:5],
+        "served": len(good), "told_to_retry": retries, "lost": len(results) - len(good),
     }
+
+
+def _auth(args: argparse.Namespace) -> dict[str, str]:
+    """The bearer key: the started server's --api-key, else $TESSERA_API_KEY."""
+    options = argparse.ArgumentParser(add_help=False)
+    options.add_argument("--api-key", action="append")
+    keys = options.parse_known_args(args.serve_args or [])[0].api_key or [os.environ.get("TESSERA_API_KEY")]
+    return {"Authorization": f"Bearer {keys[0]}"} if keys[0] else {}
 
 
 def _served_url(serve_args: list[str]) -> str:
@@ -146,17 +188,20 @@ def main() -> None:
                         "(CUDA graph capture, compilation) [1]")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take [600]")
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health [600]")
+    parser.add_argument("--flood", action="store_true", help="more clients than the server admits: answers that "
+                        "say retry are waited out and sent again, and counted (see above)")
     parser.add_argument("--out", help="write the result as JSON here")
     args = parser.parse_args(argv[:argv.index("--")] if serve_args is not None else argv)
     args.requests = args.requests or 4 * args.clients
     args.url = args.url or _served_url(serve_args or [])
+    args.serve_args = serve_args
     server = None
     if serve_args is not None:
         server = subprocess.Popen([sys.executable, "-m", "tessera", "serve", *serve_args],
                                   cwd=Path(__file__).resolve().parents[1])
     try:
         _wait_for_health(args.url, server, args.startup_timeout)
-        model = httpx.get(args.url + "/v1/models").json()["data"][0]["id"]
+        model = httpx.get(args.url + "/v1/models", headers=_auth(args)).json()["data"][0]["id"]
         if args.warmup:
             asyncio.run(_run(argparse.Namespace(**{**vars(args), "clients": args.warmup, "requests": args.warmup}),
                              model))
@@ -171,6 +216,10 @@ def main() -> None:
           f"tokens: {result['tokens_per_s']:,.0f} tokens/s, time to first token median "
           f"{(result['ttft_median_s'] or 0) * 1e3:,.0f} ms, p99 {(result['ttft_p99_s'] or 0) * 1e3:,.0f} ms, "
           f"{result['errors']} errors")
+    if args.flood:
+        print(f"flood: {result['served']} served, {result['told_to_retry']} told to retry, {result['lost']} lost; "
+              f"time to first token of the served p50 {(result['ttft_median_s'] or 0) * 1e3:,.0f} ms, "
+              f"p99 {(result['ttft_p99_s'] or 0) * 1e3:,.0f} ms")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
