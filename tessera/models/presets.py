@@ -50,6 +50,19 @@ _SIGMOID_ROUTER = dict(moe_router_score_function="sigmoid", moe_router_enable_ex
                        moe_router_load_balancing_type=["seq_aux_loss"], moe_aux_loss_coeff=[1e-4])
 
 
+def _gpt_oss(layers: int, experts: int, **extra) -> dict:
+    """GPT-OSS (OpenAI, 2025; transformers' GptOssConfig and the model card): GQA 64 heads of 64 over 8
+    groups, attention sinks, a 128-token window on every other layer (the first windowed), biases on every
+    projection and the router, top-4 experts with the clamped quick-GELU gate, YaRN x32 from 4096 tokens."""
+    return dict(_LLAMA, swiglu=False, disable_bias_linear=False, num_layers=layers, hidden_size=2880,
+                ffn_hidden_size=2880, num_attention_heads=64, group_query_attention=True, num_query_groups=8,
+                kv_channels=64, vocab_size=201088, seq_length=4096, max_position_embeddings=131072,
+                rotary_base=150_000.0, **dict(_yarn(32.0, 1.0), mscale_all_dim=0.0),
+                yarn_correction_range_round_to_int=False, quick_geglu=True, glu_linear_offset=1.0,
+                activation_func_clamp_value=7.0, softmax_type="learnable", window_size=(127, 0),
+                window_attn_skip_freq="2", **_moe(experts, 4, 2880, moe_aux_loss_coeff=[0.001]), **extra)
+
+
 def _hybrid(pattern: str, hidden: int, heads: int, groups: int, ffn: int, vocab: int, seq: int, **extra) -> dict:
     """A Megatron-Core hybrid stack (examples/mamba/train.sh): one layer per symbol of `pattern`, no
     positions, RMSNorm, GeLU MLPs, no biases, untied output, no dropout, GQA; the Mamba-2 layers at
@@ -84,7 +97,7 @@ PRESETS: dict[str, dict] = {
     "llama3-8b": _llama(32, 4096, 32, 8, 14336, 128256, 8192, rotary_base=500_000.0),
     "llama3-70b": _llama(80, 8192, 64, 8, 28672, 128256, 8192, rotary_base=500_000.0),
     "llama3-405b": _llama(126, 16384, 128, 8, 53248, 128256, 8192, rotary_base=500_000.0),
-    # The LLaMA-style 1.2B benchmark shape (config B of shared/anchors/NOTES.md)
+    # The LLaMA-style 1.2B benchmark shape (config B of bench/train_mfu.py)
     "llama-1.2b": _llama(24, 2048, 16, 4, 5632, 32000, 2048, rotary_base=500_000.0),
     # Qwen2.5 (QKV bias, RoPE theta 1e6; the 0.5B ties its embeddings)
     "qwen2.5-0.5b": dict(_llama(24, 896, 14, 2, 4864, 151936, 4096, **_QWEN),
@@ -132,6 +145,9 @@ PRESETS: dict[str, dict] = {
                          **_yarn(32.0, 1.0, beta_fast=1.0, beta_slow=1.0),
                          **_moe(384, 8, 2048, **_SIGMOID_ROUTER, moe_router_topk_scaling_factor=2.827,
                                 moe_shared_expert_intermediate_size=2048)),
+    # GPT-OSS (21B with 3.6B active; 117B with 5.1B active)
+    "gpt-oss-20b": _gpt_oss(24, 32),
+    "gpt-oss-120b": _gpt_oss(36, 128),
     # The Mamba-2 hybrid of "An Empirical Study of Mamba-based Language Models" (arXiv 2406.07887):
     # 56 layers, 24 Mamba-2, 4 attention, 28 MLP; its 256K-token vocabulary
     "mamba2-hybrid-8b": _hybrid("M-M-M--M-M*-M-M-M-M--M*-M-M-M-M-M*--M-M-M-M-M*-M--M-M-M-", 4096, 32, 8, 16384,
@@ -156,6 +172,13 @@ PRESETS: dict[str, dict] = {
                           kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16, seq_length=64,
                           yarn_original_max_position_embeddings=16, make_vocab_size_divisible_by=8,
                           moe_grouped_gemm=False),
+    # GPT-OSS in miniature: 4 layers alternating a 7-token window and full attention, sinks, 4 biased
+    # experts (top-2) with the clamped gate, YaRN x4 from 16 tokens
+    "tiny-gpt-oss": dict(_gpt_oss(4, 4), hidden_size=64, ffn_hidden_size=48, moe_ffn_hidden_size=48,
+                         num_attention_heads=4, num_query_groups=2, kv_channels=16, vocab_size=256,
+                         make_vocab_size_divisible_by=8, seq_length=64, max_position_embeddings=64,
+                         yarn_original_max_position_embeddings=16, rotary_scaling_factor=4.0, window_size=(7, 0),
+                         moe_aux_loss_coeff=[1e-2], moe_grouped_gemm=False),
 }
 
 
