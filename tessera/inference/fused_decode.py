@@ -47,7 +47,8 @@ def computes_the_same_layers(model: GPTModel) -> bool:
     for _, block in model.layers.items():
         attention, mlp = block.attention, block.mlp
         if not (type(attention) is Attention and type(mlp) is MLP and mlp.swiglu
-                and attention.q_norm is None and attention.qkv.bias is None and attention.proj.bias is None
+                and attention.q_norm is None and attention.sinks is None and attention.window is None
+                and attention.qkv.bias is None and attention.proj.bias is None
                 and mlp.fc1.bias is None and mlp.fc2.bias is None and rotary_dim <= attention.head_dim
                 and all(_is_rms_norm(n) for n in (block.input_norm, block.post_attention_norm))):
             return False

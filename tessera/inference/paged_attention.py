@@ -26,6 +26,11 @@ hook): the cache keeps each token's latent and positional key, and every read of
 expands the gathered latents through the layer's kv_up into keys and values, then attends
 as above (DeepSeek's "absorbed" form, kv_up folded into the queries, is not done here).
 
+With attention sinks or a sliding window (GPT-OSS) every group reads the gathered context in
+torch ops (tessera.models.attention_sinks.reference_attention: the window in the mask, the
+sink in the softmax) and fresh rows go through tessera.models.attention_sinks; the Triton
+decode kernel has neither yet.
+
 The decode group alone (`StepAttention.decode_only`) is what the CUDA graphs capture.
 """
 
@@ -38,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.kernels import paged_decode
+from tessera.models.attention_sinks import reference_attention, sink_window_attention
 from tessera.models.documents import Documents, default_backend
 
 
@@ -90,15 +96,18 @@ class LayerCache:
         self.step, self.keys, self.values = step, keys, values
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float = 0.0,
-               enable_gqa: bool = False, scale: float | None = None) -> torch.Tensor:
-        """q [1, heads, tokens, d], k, v [1, kv heads, tokens, d] -> [1, heads, tokens, d_v]."""
+               enable_gqa: bool = False, scale: float | None = None, sinks: torch.Tensor | None = None,
+               window: int | None = None) -> torch.Tensor:
+        """q [1, heads, tokens, d], k, v [1, kv heads, tokens, d] -> [1, heads, tokens, d_v]; with
+        per-head `sinks` logits and a `window` of earlier keys when given."""
         self.keys[self.step.slots] = k[0].transpose(0, 1)
         self.values[self.step.slots] = v[0].transpose(0, 1)
         block_size = self.step.block_size
         return _attend_rows(self.step, q, lambda start, end: (k[:, :, start:end], v[:, :, start:end]),
                             lambda tables: (_gather(self.keys, tables, block_size).transpose(1, 2),
                                             _gather(self.values, tables, block_size).transpose(1, 2)),
-                            enable_gqa=enable_gqa, scale=scale, pools=(self.keys, self.values))
+                            enable_gqa=enable_gqa, scale=scale, pools=(self.keys, self.values), sinks=sinks,
+                            window=window)
 
 
 class LatentLayerCache:
@@ -135,13 +144,15 @@ Context = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 def _attend_rows(step: StepAttention, q: torch.Tensor, fresh_kv: Fresh, context_kv: Context, *,
                  enable_gqa: bool, scale: float | None,
-                 pools: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 pools: tuple[torch.Tensor, torch.Tensor] | None = None, sinks: torch.Tensor | None = None,
+                 window: int | None = None) -> torch.Tensor:
     """The step's row groups in turn: `fresh_kv(start, end)` gives the keys and values
     [1, kv heads, end - start, d] of the step's own tokens start..end-1, `context_kv(tables)`
     those [rows, kv heads, blocks * block_size, d] of the cached blocks of block tables [rows, blocks].
     With the (key, value) `pools` on a GPU, decode rows read them in place (tessera.kernels.paged_decode)."""
     outputs, start = [], 0
-    if step.decode_tables is not None and pools is not None and paged_decode.available(q):
+    plain = sinks is None and window is None
+    if step.decode_tables is not None and pools is not None and plain and paged_decode.available(q):
         rows = step.decode_tables.shape[0]
         out = paged_decode.paged_decode_attention(q[0, :, :rows].transpose(0, 1), *pools, step.decode_tables,
                                                   step.decode_positions, step.block_size,
@@ -151,31 +162,43 @@ def _attend_rows(step: StepAttention, q: torch.Tensor, fresh_kv: Fresh, context_
     elif step.decode_tables is not None:
         rows = step.decode_tables.shape[0]
         context = torch.arange(step.decode_tables.shape[1] * step.block_size, device=q.device)
-        allowed = (context <= step.decode_positions[:, None])[:, None, :]       # [rows, 1, keys]
+        allowed = _within_window(context, step.decode_positions[:, None], window)[:, None, :]   # [rows, 1, keys]
         out = _attend_cached(q[0, :, :rows].transpose(0, 1)[:, :, None], *context_kv(step.decode_tables), allowed,
-                             scale)
+                             scale, sinks)
         outputs.append(out[:, :, 0].transpose(0, 1)[None])
         start = rows
     if step.fresh is not None:
         end = start + step.fresh.seq_length
-        outputs.append(step.fresh.attend(q[:, :, start:end], *fresh_kv(start, end), enable_gqa=enable_gqa,
-                                         scale=scale))
+        if plain:
+            outputs.append(step.fresh.attend(q[:, :, start:end], *fresh_kv(start, end), enable_gqa=enable_gqa,
+                                             scale=scale))
+        else:
+            outputs.append(sink_window_attention(q[:, :, start:end], *fresh_kv(start, end), sinks, window, step.fresh,
+                                                 enable_gqa=enable_gqa, scale=scale))
         start = end
     for row in step.continued:
         end = start + row.length
         offset = row.context - row.length
         queries = torch.arange(row.length, device=q.device)[:, None] + offset
-        allowed = (torch.arange(row.context, device=q.device) <= queries)[None]   # [1, L, C]
-        outputs.append(_attend_cached(q[:, :, start:end], *context_kv(row.blocks[None]), allowed, scale))
+        allowed = _within_window(torch.arange(row.context, device=q.device), queries, window)[None]   # [1, L, C]
+        outputs.append(_attend_cached(q[:, :, start:end], *context_kv(row.blocks[None]), allowed, scale, sinks))
         start = end
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
 
+def _within_window(keys: torch.Tensor, queries: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Key positions `keys` a query at `queries` sees: those up to it, and no more than `window` before it."""
+    allowed = keys <= queries
+    return allowed if window is None else allowed & (keys >= queries - window)
+
+
 def _attend_cached(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,
-                   scale: float | None) -> torch.Tensor:
+                   scale: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [rows, heads, L, d] against gathered keys and values [rows, kv heads, >= keys, d], where
-    `allowed` [rows, L, keys] -> [rows, heads, L, d_v]."""
+    `allowed` [rows, L, keys] -> [rows, heads, L, d_v]; with `sinks`, in torch ops."""
     keys, values = keys[:, :, :allowed.shape[-1]], values[:, :, :allowed.shape[-1]]
+    if sinks is not None:
+        return reference_attention(q, keys, values, sinks, allowed, scale=scale)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     rows, heads, length, _ = q.shape
     groups = keys.shape[1]
