@@ -79,39 +79,66 @@ def main() -> None:
     args = parser.parse_args()
     flags = COMMON + CONFIGS[args.config] + ["--train-iters", str(args.warmup + args.steps + args.bubble_steps)] \
         + args.extra
+    result = measure(flags, warmup=args.warmup, steps=args.steps, bubble_steps=args.bubble_steps,
+                     peak_tflops=args.peak_tflops, memory_trace=args.memory_trace)
+    result["config"] = args.config
+    if result["rank"] != 0:
+        return
+    bubble = ""
+    if "bubble_theory" in result:
+        bubble = (f" | bubble {' '.join(f'{b:.1%}' for b in result['bubble_measured_per_stage'])}"
+                  f" (theory {result['bubble_theory']:.1%})")
+    print(f"RESULT tessera config {args.config} {result['gpus']} GPU {result['layout']} {' '.join(args.extra)}: "
+          f"{result['tokens_per_sec']:,.0f} tokens/s/GPU | "
+          f"{result['ms_per_step']:.1f} ms/step | {result['tflops_per_gpu']:.1f} TFLOP/s | MFU {result['mfu'] * 100:.1f}% | "
+          f"peak {result['peak_alloc_gib']:.1f}/{result['peak_reserved_gib']:.1f} GiB | loss {result['first_loss']:.3f} -> "
+          f"{result['last_loss']:.3f}{bubble}", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+def measure(flags: list[str], *, warmup: int, steps: int, bubble_steps: int = 0, peak_tflops: float = 989.0,
+            memory_trace: str | None = None) -> dict:
+    """A trainer built from tessera `flags` (which give --train-iters), `warmup` steps, then `steps`
+    timed ones: the result row, on every rank (its "rank" says which). With packed documents
+    the FLOPs count attention per document, as the trainer's log does."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     config, _ = parse_run_config(flags, "bench/train_mfu.py", world_size=world)
     cuda = torch.cuda.is_available() and config.train.device != "cpu"
-    if args.memory_trace and cuda:
+    if memory_trace and cuda:
         torch.cuda.memory._record_memory_history(stacks="python", max_entries=TRACE_ENTRIES)
     trainer = Trainer(config)
-    for _ in range(args.warmup):
+    for _ in range(warmup):
         step_marker(trainer.device)
         trainer.train_step()
     _synchronize(cuda)
-    if args.memory_trace and cuda:
-        _write_memory_trace(args.memory_trace, trainer.mesh.rank)
+    if memory_trace and cuda:
+        _write_memory_trace(memory_trace, trainer.mesh.rank)
     if cuda and trainer.step_graph is None:
         # A replayed graph allocates nothing: its activations were counted when it was captured.
         torch.cuda.reset_peak_memory_stats()
     static_gib = torch.cuda.memory_allocated() / 2**30 if cuda else 0.0
     if world > 1:
         dist.barrier()
+    trainer._document_squares = 0 if trainer._document_squares is not None else None   # the timed steps' alone
     start = time.perf_counter()
     with GpuSampler(torch.cuda.current_device() if cuda else 0, interval_s=0.1) as gpu_state:
-        losses = [trainer.train_step().loss for _ in range(args.steps)]
+        losses = [trainer.train_step().loss for _ in range(steps)]
         _synchronize(cuda)
     elapsed, peak_alloc, peak_reserved = _max_over_ranks(
         [time.perf_counter() - start, torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
          torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0], trainer.device)
     mesh = trainer.mesh
-    tokens_per_gpu = args.steps * config.train.global_batch_size * config.model.seq_length / world
-    tflops = flops_per_token(config.model, vocab_size=trainer.model.vocab_size) * tokens_per_gpu / elapsed / 1e12
+    tokens_per_gpu = steps * config.train.global_batch_size * config.model.seq_length / world
+    packed = trainer._packed_flops_per_iteration(steps)
+    flops_per_gpu = packed * steps / world if packed is not None else \
+        flops_per_token(config.model, vocab_size=trainer.model.vocab_size) * tokens_per_gpu
+    tflops = flops_per_gpu / elapsed / 1e12
     result = {
-        "row": "tessera", "config": args.config, "flags": flags, "gpus": world, "layout": _layout(trainer),
+        "row": "tessera", "rank": mesh.rank, "flags": flags, "gpus": world, "layout": _layout(trainer),
         "global_batch_size": config.train.global_batch_size, "num_micro_batches": config.num_micro_batches,
         "tokens_per_sec": tokens_per_gpu / elapsed, "tokens_per_sec_total": tokens_per_gpu * world / elapsed,
-        "ms_per_step": elapsed / args.steps * 1e3, "tflops_per_gpu": tflops, "mfu": tflops / args.peak_tflops,
+        "ms_per_step": elapsed / steps * 1e3, "tflops_per_gpu": tflops, "mfu": tflops / peak_tflops,
         "peak_alloc_gib": peak_alloc, "peak_reserved_gib": peak_reserved, "static_alloc_gib_rank0": static_gib,
         "optimizer_state_gib": trainer.optimizer.state_bytes() / 2**30,
         "first_loss": float(losses[0]), "last_loss": float(losses[-1]),
@@ -119,22 +146,10 @@ def main() -> None:
         "gpu_state": gpu_state.summary(),   # this rank's GPU during the timed steps
     }
     if mesh.pp_size > 1:
-        result["bubble_measured_per_stage"] = _measure_bubble(trainer, args.bubble_steps)
+        result["bubble_measured_per_stage"] = _measure_bubble(trainer, bubble_steps)
         result["bubble_theory"] = trainer.pipeline.schedule.theoretical_bubble()
         result["schedule"] = trainer.pipeline.schedule.name
-    if mesh.rank != 0:
-        return
-    bubble = ""
-    if "bubble_theory" in result:
-        bubble = (f" | bubble {' '.join(f'{b:.1%}' for b in result['bubble_measured_per_stage'])}"
-                  f" (theory {result['bubble_theory']:.1%})")
-    print(f"RESULT tessera config {args.config} {world} GPU {result['layout']} {' '.join(args.extra)}: "
-          f"{result['tokens_per_sec']:,.0f} tokens/s/GPU | "
-          f"{result['ms_per_step']:.1f} ms/step | {tflops:.1f} TFLOP/s | MFU {result['mfu'] * 100:.1f}% | "
-          f"peak {peak_alloc:.1f}/{peak_reserved:.1f} GiB | loss {result['first_loss']:.3f} -> "
-          f"{result['last_loss']:.3f}{bubble}", flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+    return result
 
 
 TRACE_ENTRIES = 2_000_000   # allocator events kept (a 1.3B model's build + a few steps is ~10^5)
