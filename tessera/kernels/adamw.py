@@ -5,7 +5,7 @@ with one micro-batch its gradients are autograd's bf16 ones. torch's fused AdamW
 gradients in the masters' dtype and leaves the copy into the model to another pass; one
 Triton kernel per tensor reads the bf16 gradient and writes the bf16 weight in the same pass
 (28 bytes per parameter; ~4.1 TB/s in config M's step on an H200; alone on fp32 gradients it
-is no faster than torch's kernel plus a copy: docs/performance.md). The maths is
+is no faster than torch's kernel plus a copy: docs/performance-notes.md). The maths is
 torch.optim.AdamW(fused=True)'s:
 
     p <- p (1 - lr wd);  m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2

@@ -9,7 +9,7 @@ At batch 1 every linear layer is a matrix-vector product: all it does is read th
 once. cuBLAS reads config B's smaller weights (2048 x 2048, 3072 x 2048, 2048 x 5632) at
 1.4-2.1 TB/s on an H200 (its tile shapes leave SMs idle or need a split-K reduction
 kernel); a kernel that gives each program a few whole rows and streams them along K reads
-them at 2.1-2.9 TB/s with one launch (bench numbers in docs/performance.md). The row block
+them at 2.1-2.9 TB/s with one launch (bench numbers in docs/performance-notes.md). The row block
 and the K step are tuned per weight shape (triton.autotune on the first call of each shape);
 a K step of a whole 2048-wide row won 5% over the narrower ones in a decode step's chain.
 

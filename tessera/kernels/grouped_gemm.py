@@ -11,7 +11,7 @@ On an H200, the `quack-kernels` package's CuTe-DSL GEMMs over variable-length gr
 `cu_seqlens_m` / `cu_seqlens_k` forms, the default configuration, compiled once per shape and
 cached) ran config M's expert GEMMs 3-16% faster than torch._grouped_mm in bf16 with the group
 sizes routing gives, with the same results, and config M's training step 3.7% faster
-(docs/performance.md; with exactly even groups the input gradients were slower, and the coarse
+(docs/performance-notes.md; with exactly even groups the input gradients were slower, and the coarse
 config C's GEMMs, which cuBLAS-class kernels already run well, equal). So on Hopper, in bf16,
 with widths that keep rows 16-byte aligned, tessera takes them when the package is installed
 (`pip install tessera[moe]`); everywhere else, and for any other dtype, torch._grouped_mm, as

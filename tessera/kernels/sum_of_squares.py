@@ -2,7 +2,7 @@
 
 torch._foreach_norm reads a step's bf16 gradients at about half the HBM rate on an H200
 (config M: 3.25 ms for 7.8 GB), and one Triton launch per tensor costs more host time than
-it saves (docs/performance.md). This kernel takes the tensors' addresses from a table, so
+it saves (docs/performance-notes.md). This kernel takes the tensors' addresses from a table, so
 one launch covers every tensor of a dtype: each program sums CHUNK elements of one tensor
 into its own fp32 partial, and the partials are added in a fixed order (the result does not
 depend on scheduling). The addresses go up from pinned memory each step, so the host never

@@ -41,7 +41,7 @@ from tessera.training.checkpoint_state import LoadPlanner, SavePlanner, saved_li
 
 TRACKER = "latest_checkpointed_iteration.txt"
 # Files each rank writes in parallel (DCP's FileSystemWriter threads): on an H200 host, 8 threads
-# wrote an async checkpoint 4.7x faster than 1 (docs/performance.md).
+# wrote an async checkpoint 4.7x faster than 1 (docs/performance-notes.md).
 WRITE_THREADS = 8
 CONFIG = "config.yaml"
 TOKENIZER_DIR = "tokenizer"

@@ -1,6 +1,6 @@
 """A training step never makes the host wait for the GPU: the host queues the next step's
 kernels while the GPU runs this one's (a wait drains the queue, and the GPU then idles while
-the host catches up: 9.5 ms a step on config M before; docs/performance.md). CUDA's sync debug
+the host catches up: 9.5 ms a step on config M before; docs/performance-notes.md). CUDA's sync debug
 mode turns every synchronizing call into an error. Run on a GPU machine:
 `python3 -m pytest tests/gpu -q` (skipped elsewhere)."""
 

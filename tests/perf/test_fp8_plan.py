@@ -151,7 +151,7 @@ def test_a_compiled_fp8_layer_saves_what_autograd_saves():
 
 
 def config_b(layout: Layout):
-    """tessera's config B on one H200 as docs/performance.md measured it in FP8: LLaMA 1.2B, micro-batch 8 x
+    """tessera's config B on one H200 as docs/performance-notes.md measured it in FP8: LLaMA 1.2B, micro-batch 8 x
     2048, one micro-batch per step, compiled blocks, --use-distributed-optimizer."""
     from tessera.models.presets import preset_values
 
@@ -162,7 +162,7 @@ def config_b(layout: Layout):
 
 
 def test_config_b_against_the_measured_fp8_runs():
-    """Measured (docs/performance.md, "FP8 training on one H200", "FP8 blockwise"): bf16 67,494 tokens/s,
+    """Measured (docs/performance-notes.md, "4c82543: FP8 tensorwise and delayed" and "de2b436: FP8 blockwise"): bf16 67,494 tokens/s,
     41.3 GiB; tensorwise 78,923-80,962, 34.2 GiB; delayed 76,514; blockwise 54,102. Predicted when written:
     bf16 65,965 (-2.3%), 45.3 GiB; tensorwise 82,967 (+2.5..+5.1%), 38.2 GiB; delayed as tensorwise (+8.4%);
     blockwise 72,061 (+33%: the measured run loses 95 ms to tensorwise where the GEMM rates and these

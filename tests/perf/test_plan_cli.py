@@ -42,7 +42,7 @@ def test_given_flags_are_held_fixed_and_explain_predicts_exactly_them(capsys):
 def test_a_pipeline_is_balanced_and_its_flags_split_the_model_as_tessera_train_does(capsys):
     # GPT 1.3B on two H200s: the last stage also runs the 50k-word output layer and loss,
     # about two layers' worth, so the planner moves a layer to the first stage (measured:
-    # 13/11 beats 12/12 by 4%, docs/performance.md).
+    # 13/11 beats 12/12 by 4%, docs/performance-notes.md).
     common = ["--model", "gpt3-1.3b", "--seq-length", "2048", "--gpu", "h200", "--gpus", "2",
               "--global-batch-size", "64", "--micro-batch-size", "8", "--hidden-dropout", "0",
               "--attention-dropout", "0", "--pipeline-model-parallel-size", "2"]
