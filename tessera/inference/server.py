@@ -2,8 +2,8 @@
 
 A thin FastAPI layer over `AsyncEngine`: a request is checked (tessera.inference.protocol),
 tokenized (through its chat template for chat), queued into the engine as one engine
-request per choice, and answered as JSON or streamed as server-sent events (`data: {...}`
-per chunk, then `data: [DONE]`). A client that goes away cancels its requests.
+request per choice, and answered as JSON or streamed as server-sent events
+(tessera.inference.streaming). A client that goes away cancels its requests.
 
     POST /v1/completions, /v1/chat/completions   OpenAI's schemas (with vLLM's extras: top_k, min_p, ...)
     GET  /v1/models, /health                     the served model; 200 while the engine runs, else 503
@@ -20,7 +20,6 @@ the server drains).
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -28,7 +27,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tessera.config.inference import ServeConfig
@@ -41,6 +40,7 @@ from tessera.inference.protocol import (
     clean_logprob, parse_request,
 )
 from tessera.inference.sampling import SamplingParams
+from tessera.inference.streaming import answer_chunks, as_api_error, event_stream
 from tessera.inference.text import ChatTemplateError, RequestText, TextDelta, TextTokenizer
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's
@@ -249,28 +249,6 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _sse(chunk: dict | str) -> str:
-    return f"data: {chunk if isinstance(chunk, str) else json.dumps(chunk)}\n\n"
-
-
-def _event_stream(chunks: AsyncIterator[dict]) -> StreamingResponse:
-    async def events() -> AsyncIterator[str]:
-        try:
-            async for chunk in chunks:
-                yield _sse(chunk)
-        except (APIError, EngineDeadError) as exc:   # the headers are sent: the error becomes an event
-            yield _sse(_api_error(exc).body())
-        yield _sse("[DONE]")
-
-    return StreamingResponse(events(), media_type="text/event-stream")
-
-
-def _api_error(exc: APIError | EngineDeadError) -> APIError:
-    if isinstance(exc, APIError):
-        return exc
-    return APIError(str(exc), status=503, kind="server_error", headers=RETRY_AFTER)
-
-
 def _completion_prompts(server: Server, prompt) -> list[list[int]]:
     if isinstance(prompt, str):
         return [server.tokenizer.encode(prompt)]
@@ -306,42 +284,13 @@ def add_completions(app: FastAPI, server: Server) -> None:
         stream = await server.start(choices)
         header = server.header(response_id, "text_completion")
         if body.stream:
-            return _event_stream(_chunks(server, body, header, stream, choices, prompts, chat=False,
+            return event_stream(answer_chunks(server, body, header, stream, choices, prompts, chat=False,
                                          openings=[{"text": echo} if echo else None for echo in echoes]))
         if not await server.collect(request, stream, choices):
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         return {**header, "usage": server.usage(prompts, choices), "choices": [
             {"index": c.index, "text": echo + c.text.text, "logprobs": server.completion_logprobs(c),
              "finish_reason": c.text.finish_reason, **server.token_ids(body, c)} for c, echo in zip(choices, echoes)]}
-
-
-async def _chunks(server: Server, body: SamplingFields, header: dict, stream: RequestStream, choices: list[_Choice],
-                  prompts: list[list[int]], *, chat: bool, openings: list[dict | None]) -> AsyncIterator[dict]:
-    """The streamed chunks of completions (`text` deltas) or chat (`delta` messages): an opening
-    chunk per choice where given, the deltas, a last chunk with the finish reason, the usage."""
-    logprobs_of = server.chat_logprobs if chat else server.completion_logprobs
-
-    def chunk(choice: _Choice, content: dict, logprobs=None, finish_reason=None) -> dict:
-        return {**header, "choices": [{"index": choice.index, **content, "logprobs": logprobs,
-                                       "finish_reason": finish_reason}]}
-
-    def text(value: str | None) -> dict:
-        if chat:
-            return {"delta": {} if value is None else {"content": value}}
-        return {"text": value or ""}
-
-    for choice, opening in zip(choices, openings):
-        if opening is not None:
-            yield chunk(choice, opening)
-    async for choice, delta in server.deltas(stream, choices):
-        if delta.text or (delta.token_ids and choice.params.logprobs is not None):
-            yield chunk(choice, text(delta.text), logprobs_of(choice, delta))
-        if delta.finished:
-            last = chunk(choice, text(None), finish_reason=delta.finish_reason)
-            last["choices"][0].update(server.token_ids(body, choice))
-            yield last
-    if body.stream_options is not None and body.stream_options.include_usage:
-        yield {**header, "choices": [], "usage": server.usage(prompts, choices)}
 
 
 def add_chat(app: FastAPI, server: Server) -> None:
@@ -368,7 +317,7 @@ def add_chat(app: FastAPI, server: Server) -> None:
         header = server.header(response_id, "chat.completion")
         if body.stream:
             opening = {"delta": {"role": "assistant", "content": ""}}
-            return _event_stream(_chunks(server, body, {**header, "object": "chat.completion.chunk"}, stream,
+            return event_stream(answer_chunks(server, body, {**header, "object": "chat.completion.chunk"}, stream,
                                          choices, [prompt], chat=True, openings=[opening] * len(choices)))
         if not await server.collect(request, stream, choices):
             return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -456,7 +405,7 @@ def create_app(engine, tokenizer: TextTokenizer, *, model_name: str, serving: Se
     @app.exception_handler(APIError)
     @app.exception_handler(EngineDeadError)   # the engine stopped, or a drain cut the request
     async def api_error(_request: Request, exc: APIError | EngineDeadError) -> JSONResponse:
-        error = _api_error(exc)
+        error = as_api_error(exc)
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(StarletteHTTPException)
