@@ -68,17 +68,8 @@ def allowed_keys(seq_length: int, window: int | None, documents: Documents | Non
     allowed = (distance >= 0) & (distance <= (window if window is not None else seq_length))
     if documents is None:
         return allowed[None]
-    ids = document_ids(documents)
+    ids = documents.token_ids()
     return allowed[None] & (ids[:, :, None] == ids[:, None, :])
-
-
-def document_ids(documents: Documents) -> torch.Tensor:
-    """[b, s] int32: each token's document index."""
-    cu = documents.cu_seqlens
-    total = documents.batch_size * documents.seq_length
-    ids = torch.repeat_interleave(torch.arange(len(documents.lengths), device=cu.device, dtype=torch.int32),
-                                  cu.diff(), output_size=total)
-    return ids.view(documents.batch_size, documents.seq_length)
 
 
 # -- FlexAttention ---------------------------------------------------------------------------
@@ -114,7 +105,7 @@ def block_mask_for(seq_length: int, window: int | None, documents: Documents | N
         return _plain_block_mask(seq_length, window, device)
     masks = _DOCUMENT_MASKS.setdefault(documents, {})
     if window not in masks:
-        ids = document_ids(documents)
+        ids = documents.token_ids()
         causal = _causal_window(window)
 
         def mask(b, h, q_index, kv_index):
