@@ -9,7 +9,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test flags clean
 
 $(VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -29,6 +29,10 @@ TEST_WORKERS ?= 2
 
 test: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile
+
+# docs/flags.md, the flag reference, regenerated from the config dataclasses (a test fails when it is stale).
+flags: setup
+	$(PY) -m tessera.cli.flag_reference docs/flags.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info
