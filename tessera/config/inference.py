@@ -118,7 +118,7 @@ class ServeConfig:
     log_level: str = option("info", "uvicorn's log level", ("critical", "error", "warning", "info", "debug"))
     api_key: list[str] | None = option(
         None, f"clients must send 'Authorization: Bearer KEY' on every route but /health (repeatable: any of the "
-        f"keys; default: ${API_KEY_VARIABLE})", repeat=True, metavar="KEY")
+        f"keys; default: ${API_KEY_VARIABLE})", repeat=True, metavar="KEY", secret=True)
     max_queued_requests: int = option(
         256, "requests that may wait beyond --inference-max-requests; past both, 429 with Retry-After",
         group=LIMITS, metavar="N")

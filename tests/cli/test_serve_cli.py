@@ -72,6 +72,13 @@ def test_keys_from_flags_and_the_environment_guard_every_route_but_health(hf_dir
     assert "warning" not in err and "flag-key" not in err and "env-key" not in err
 
 
+def test_a_key_stays_out_of_the_configuration_repr():
+    from tessera.config.inference import ServeConfig
+
+    config = ServeConfig(api_key=["s3cret-key"])
+    assert config.api_key == ["s3cret-key"] and "s3cret-key" not in repr(config)
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--port", "70000"], "--port must be in [0, 65535]"),
     (["--max-queued-requests", "-1"], "--max-queued-requests must be >= 0"),
