@@ -25,7 +25,7 @@ from tessera.cli.megatron_flags import add_megatron_flags, check_aliases
 from tessera.config import SECTIONS, ConfigError, RunConfig, flag
 
 
-class _Parser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     """ArgumentParser whose errors are one line, with a suggestion for a mistyped flag."""
 
     def error(self, message: str) -> typing.NoReturn:
@@ -90,7 +90,7 @@ def _add_section(parser: argparse.ArgumentParser, section: str, cls: type) -> No
 
 def build_parser(prog: str, sections: Iterable[str], description: str = "",
                  add_extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.ArgumentParser:
-    parser = _Parser(prog=prog, description=description, allow_abbrev=False)
+    parser = OneLineParser(prog=prog, description=description, allow_abbrev=False)
     parser.add_argument("--config", metavar="YAML", help="YAML file of settings (keys are flag names)")
     parser.add_argument("--model", metavar="PRESET", help="named architecture (see tessera.models.presets)")
     if add_extra is not None:
@@ -212,7 +212,7 @@ def parse_run_config(argv: list[str], prog: str = "tessera train", world_size: i
 def parse_sections(argv: list[str], prog: str, description: str, sections: dict[str, type]) -> dict[str, Any]:
     """One instance of each dataclass in `sections` ({name: class}) from a command line (no YAML, no
     presets: the commands beside `tessera train`); exits with one line naming the flag on error."""
-    parser = _Parser(prog=prog, description=description, allow_abbrev=False)
+    parser = OneLineParser(prog=prog, description=description, allow_abbrev=False)
     for section, cls in sections.items():
         _add_section(parser, section, cls)
     values: dict[str, dict[str, Any]] = {section: {} for section in sections}

@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import glob
 
-from tessera.cli.args import _Parser, fail
+from tessera.cli.args import OneLineParser, fail
 
 PROG = "tessera merge-datasets"
 
 
 def main(argv: list[str]) -> int:
-    parser = _Parser(prog=PROG, allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    parser = OneLineParser(prog=PROG, allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                      description="Concatenate datasets of one token dtype, in the order given, into one pair.")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--input", help="directory: merge every PREFIX.bin/.idx pair in it, sorted by name")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from tessera.cli.args import _Parser, fail
+from tessera.cli.args import OneLineParser, fail
 from tessera.config import ConfigError, DataConfig, flag
 from tessera.config.posttrain import PostTrainConfig
 
@@ -43,7 +43,7 @@ def tokenizer_config(args: argparse.Namespace) -> DataConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    parser = OneLineParser(prog=PROG, allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                      description="Tokenize JSONL documents into Megatron-Core IndexedDataset files, "
                                  "one PREFIX_KEY_document.bin/.idx pair per JSON key.")
     group = parser.add_argument_group("input and output")

@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import time
 
-from tessera.cli.args import _Parser, fail
+from tessera.cli.args import OneLineParser, fail
 
 PROG = "tessera train-tokenizer"
 
 
 def main(argv: list[str]) -> int:
-    parser = _Parser(prog=PROG, allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    parser = OneLineParser(prog=PROG, allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                      description="Train a byte-level BPE tokenizer (Hugging Face tokenizers) on JSONL text. "
                                  "Use the result with --tokenizer-type HuggingFaceTokenizer --tokenizer-model PATH.")
     parser.add_argument("--input", nargs="+", required=True, help="JSONL file(s): paths or globs; .gz is read too")
