@@ -60,6 +60,10 @@ class OptimConfig:
     exp_avg_dtype: str = option("fp32", "dtype of Adam's first moment (bf16: rounded from fp32 maths each step)",
                                 ("fp32", "bf16"))
     exp_avg_sq_dtype: str = option("fp32", "dtype of Adam's second moment", ("fp32", "bf16"))
+    optimizer_cpu_offload: bool = option(False, "keep the distributed optimizer's fp32 masters and Adam moments in "
+                                         "host memory, streamed through the GPU for each step (docs/optimizers.md)")
+    optimizer_offload_fraction: float = option(1.0, "with --optimizer-cpu-offload: the share of the optimizer state "
+                                               "kept in host memory (by elements, the first in the gradient buffers)")
 
     def __post_init__(self) -> None:
         require(self.lr is not None, "--lr is required")
@@ -76,6 +80,7 @@ class OptimConfig:
         positive(self, "adam_eps", "lr_decay_iters", "lr_wsd_decay_iters")
         require(self.weight_decay >= 0 and self.clip_grad >= 0, "--weight-decay and --clip-grad must be >= 0")
         self._check_momentum()
+        require(0 <= self.optimizer_offload_fraction <= 1, "--optimizer-offload-fraction must be in [0, 1]")
         positive(self, "lr_decay_samples", "lr_wsd_decay_samples")
         require(self.decoupled_min_lr is None or self.decoupled_lr is not None,
                 "--decoupled-min-lr needs --decoupled-lr")

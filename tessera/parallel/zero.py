@@ -101,6 +101,9 @@ class DistributedOptimizer:
             models={master: view for master, view, _, _ in self._masters if master is not view},
             moment_dtypes=moment_dtypes, lr=optim.lr, betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps,
         )
+        # With --optimizer-cpu-offload, what steps the optimizer with its state kept in host memory
+        # (tessera.training.optim.offload, set by tessera.training.optimizer).
+        self.offload = None
         self.fp8: list[Fp8Weights | None] = [self._fp8_weights(grads, fp8_layers or {}) for grads in buffers]
         self._gathers: dict[tuple[int, int], object] = {}   # (buffer, bucket) -> all-gather in flight
         # Every buffer's buckets in the order the forward pass needs them: by their first parameter
@@ -188,7 +191,7 @@ class DistributedOptimizer:
         of each slice is written in the same pass), then share them."""
         self.optimizer.grads = {master: grad for (master, *_), (grad, _, _) in
                                 zip(self._masters, self.local_grads_with_offsets())}
-        self.optimizer.step()
+        (self.optimizer if self.offload is None else self.offload).step()
         self.optimizer.grads = {}   # the next step's zero_grad must be able to free them
         self._start_gathers()
         if not self.overlap_param_gather:

@@ -126,7 +126,7 @@ def layer_activation_bytes(model: ModelConfig, layout: Layout, seq_length: int,
     rebuilds = fp8 and tessera and layout.compiled
     rebuilds_norms = rebuilds and not layout.sequence_parallel
     gemm_inputs = 2 * s * b * h if f and not rebuilds_norms else 0.0   # fc1's
-    gated = 2 if model.swiglu else 1
+    gated = 2 if model.gated_linear_unit else 1
     # tessera's activation enters fc2's GEMM in one autograd function that keeps fc1's output, not the
     # activation (tessera.kernels.activation_linear), where fc2 has no GEMMs of its own (FP8, overlap).
     fused_activation = tessera and not fp8 and not layout.tp_comm_overlap
@@ -210,7 +210,7 @@ def routed_expert_bytes(model: ModelConfig, layout: Layout, tokens: float) -> fl
     fp32 router casts it again in backward) and its scores.
     """
     h, f, etp = model.hidden_size, model.moe_ffn_hidden_size, layout.expert_tp
-    gated = 2 if model.swiglu else 1
+    gated = 2 if model.gated_linear_unit else 1
     rows = etp * tokens * model.moe_router_topk
     router = 2 * tokens * h + ROUTER_SCORE_BYTES * tokens * model.num_experts
     return router + rows * (2 * h + 2 * gated * f / etp + 2 * f / etp + ROW_INDEX_BYTES)
@@ -303,7 +303,7 @@ def fp8_linear_weights(model: ModelConfig, moe: bool = False) -> int:
         for width in latents:
             projections.remove((h, width))
     ffn = (model.moe_shared_expert_intermediate_size or 0) if moe else model.ffn_hidden_size
-    gated = 2 if model.swiglu else 1
+    gated = 2 if model.gated_linear_unit else 1
     return sum(i * o for i, o in projections) + (gated + 1) * h * ffn
 
 

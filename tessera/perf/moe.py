@@ -61,7 +61,7 @@ def add_routed_experts(steps: "StepModel", layout: Layout, tokens: float, fwd: "
     local = experts // layout.ep
     rows = etp * tokens * k
     per_expert = max(1.0, rows / local)
-    gated = 2 if model.swiglu else 1
+    gated = 2 if model.gated_linear_unit else 1
     if fp8:   # FP8 experts are one grouped GEMM each, --moe-grouped-gemm or not (tessera.models.moe)
         groups = local
         fc1 = fp8_expert_gemm(steps, layout, per_expert, gated * f / etp, h, groups, fwd, bwd)

@@ -182,7 +182,7 @@ class StepModel:
 
     def activation_bytes(self, width: float) -> tuple[float, float]:
         """HBM bytes per token of the MLP's activation function on `width` features (forward, backward)."""
-        return (6 * width, 10 * width) if self.model.swiglu else (4 * width, 6 * width)
+        return (6 * width, 10 * width) if self.model.gated_linear_unit else (4 * width, 6 * width)
 
     def _layer(self, layout: Layout, moe: bool, fp8: bool) -> tuple[Phase, Phase]:
         model, t = self.model, layout.tp
@@ -192,7 +192,7 @@ class StepModel:
         f = (model.moe_shared_expert_intermediate_size or 0) if moe else model.ffn_hidden_size
         q = model.num_attention_heads * model.kv_channels
         kv = model.num_query_groups * model.kv_channels
-        gated = 2 if model.swiglu else 1
+        gated = 2 if model.gated_linear_unit else 1
         sp = t if layout.sequence_parallel else 1
         fwd, bwd = Phase(), Phase()
 

@@ -2,7 +2,9 @@
 
 --optimizer adam steps every parameter with AdamW, sgd with SGD (momentum --sgd-momentum, L2
 weight decay, as Megatron-LM's), muon the hidden layers' matrices with Muon and the rest with
-AdamW (tessera.training.optim.muon). `build_optimizer` picks how gradients are reduced and
+AdamW (tessera.training.optim.muon). With --optimizer-cpu-offload the distributed optimizer's
+state lives in host memory and is streamed through the device for each step
+(tessera.training.optim.offload). `build_optimizer` picks how gradients are reduced and
 weights updated:
 
     local       one process, or DDP (--data-parallel-sharding-strategy no_shard): grads in a
@@ -59,6 +61,7 @@ from tessera.parallel.pipeline import PipelineGroups, sum_tied_grads
 from tessera.parallel.sharding import allreduce_sequence_parallel_grads
 from tessera.parallel.zero import DistributedOptimizer, adamw_groups
 from tessera.training.optim.layer_wise import LayerWiseMuon
+from tessera.training.optim.offload import offload_state
 from tessera.training.optim.muon import Muon, matrix_layouts, muon_options, muon_parameters
 
 
@@ -120,6 +123,8 @@ class TrainingOptimizer:
     def set_last_micro_batch(self, last: bool) -> None:
         for grads in self.buffers:
             grads.set_last_micro_batch(last)
+        if last and getattr(self.inner, "offload", None) is not None:   # the step's first state, brought up
+            self.inner.offload.prefetch()
 
     def main_grad(self, param: nn.Parameter) -> torch.Tensor | None:
         """The tensor holding `param`'s gradient (a view of its buffer, or .grad)."""
@@ -311,6 +316,8 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, parallel: ParallelConf
                                  moment_dtypes=(_DTYPES[optim.exp_avg_dtype], _DTYPES[optim.exp_avg_sq_dtype]),
                                  master_remainders=optim.use_precision_aware_optimizer, fp8_layers=fp8_gathered,
                                  decoupled=decoupled)
+    if optim.optimizer_cpu_offload:
+        inner.offload = offload_state(inner, optim.optimizer_offload_fraction)
     domains = [([p for p in matrices if not expert(p)], dp_group, dp_size),
                ([p for p in matrices if expert(p)], edp_group, mesh.edp_size)] if apart else []
     domains = [(members, group, size) for members, group, size in domains if members]
