@@ -60,7 +60,7 @@ def _field_type(cls: type, field: dataclasses.Field) -> tuple[type, bool]:
     return hint, False
 
 
-def _add_section(parser: argparse.ArgumentParser, section: str, cls: type) -> None:
+def add_section(parser: argparse.ArgumentParser, section: str, cls: type) -> None:
     groups = {None: parser.add_argument_group(f"{section} ({cls.__doc__.splitlines()[0].rstrip('.')})")}
     for field in dataclasses.fields(cls):
         heading = field.metadata.get("group")
@@ -96,7 +96,7 @@ def build_parser(prog: str, sections: Iterable[str], description: str = "",
     if add_extra is not None:
         add_extra(parser)
     for section in sections:
-        _add_section(parser, section, SECTIONS[section])
+        add_section(parser, section, SECTIONS[section])
     add_megatron_flags(parser)
     return parser
 
@@ -214,7 +214,7 @@ def parse_sections(argv: list[str], prog: str, description: str, sections: dict[
     presets: the commands beside `tessera train`); exits with one line naming the flag on error."""
     parser = OneLineParser(prog=prog, description=description, allow_abbrev=False)
     for section, cls in sections.items():
-        _add_section(parser, section, cls)
+        add_section(parser, section, cls)
     values: dict[str, dict[str, Any]] = {section: {} for section in sections}
     for dest, value in vars(parser.parse_args(argv)).items():
         section, name = dest.split(".", 1)

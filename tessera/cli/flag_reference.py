@@ -19,9 +19,10 @@ import sys
 from importlib import resources
 from typing import Iterable
 
-from tessera.cli.args import _add_section, build_parser
+from tessera.cli.args import add_section, build_parser
 from tessera.cli.megatron_flags import ALIASES, IGNORED, UNSUPPORTED
-from tessera.config import SECTIONS, GenerateConfig, InferenceConfig, ServeConfig
+from tessera.config import SECTIONS
+from tessera.config.inference import GENERATE_SECTIONS, SERVE_SECTIONS
 from tessera.files import atomic_write
 
 REGENERATE = "python -m tessera.cli.flag_reference docs/flags.md"
@@ -29,7 +30,7 @@ SAME_AS_MEGATRON = "same as Megatron-LM"
 TESSERA_ONLY = "tessera only"
 IN_MEGATRON_PARSER = "In Megatron-LM's parser"
 # `tessera generate` takes the inference and generate sections, `tessera serve` inference and serve.
-INFERENCE_SECTIONS = {"inference": InferenceConfig, "generate": GenerateConfig, "serve": ServeConfig}
+INFERENCE_SECTIONS = {**GENERATE_SECTIONS, **SERVE_SECTIONS}
 TYPE_NAMES = {int: "int", float: "float", str: "text"}
 
 INTRO = f"""\
@@ -195,7 +196,7 @@ def inference_parser() -> argparse.ArgumentParser:
     """The flags of `tessera generate` and `tessera serve` in one parser, as the commands add them."""
     parser = argparse.ArgumentParser(add_help=False)
     for section, cls in INFERENCE_SECTIONS.items():
-        _add_section(parser, section, cls)
+        add_section(parser, section, cls)
     return parser
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tessera.cli.args import fail, parse_sections
 from tessera.config import ConfigError
-from tessera.config.inference import GenerateConfig, InferenceConfig
+from tessera.config.inference import GENERATE_SECTIONS, GenerateConfig
 from tessera.files import atomic_write
 
 PROG = "tessera generate"
@@ -79,7 +79,7 @@ def _write(out, record: dict, text, tokenizer, args: GenerateConfig) -> None:
 
 
 def main(argv: list[str]) -> int:
-    sections = parse_sections(argv, PROG, DESCRIPTION, {"inference": InferenceConfig, "generate": GenerateConfig})
+    sections = parse_sections(argv, PROG, DESCRIPTION, GENERATE_SECTIONS)
     args = sections["generate"]
     records = _read_records(args)
     from tqdm import tqdm

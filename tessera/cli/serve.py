@@ -15,7 +15,7 @@ import sys
 
 from tessera.cli.args import fail, parse_sections
 from tessera.config import ConfigError
-from tessera.config.inference import InferenceConfig, ServeConfig
+from tessera.config.inference import SERVE_SECTIONS
 
 PROG = "tessera serve"
 DESCRIPTION = ("Serve a tessera checkpoint or a Hugging Face directory over HTTP: OpenAI's /v1/completions and "
@@ -23,7 +23,7 @@ DESCRIPTION = ("Serve a tessera checkpoint or a Hugging Face directory over HTTP
 
 
 def main(argv: list[str]) -> int:
-    sections = parse_sections(argv, PROG, DESCRIPTION, {"inference": InferenceConfig, "serve": ServeConfig})
+    sections = parse_sections(argv, PROG, DESCRIPTION, SERVE_SECTIONS)
     try:   # the serving stack is an extra: say so before the model loads
         import uvicorn  # noqa: F401
 

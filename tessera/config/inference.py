@@ -139,3 +139,8 @@ class ServeConfig:
         at_least(self, 1, "max_request_bytes")
         require(self.request_timeout is None or self.request_timeout > 0,
                 f"--request-timeout must be positive, got {self.request_timeout}")
+
+
+# The sections each command parses (tessera.cli.args.parse_sections), by section name.
+GENERATE_SECTIONS = {"inference": InferenceConfig, "generate": GenerateConfig}
+SERVE_SECTIONS = {"inference": InferenceConfig, "serve": ServeConfig}
