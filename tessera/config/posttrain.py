@@ -1,7 +1,8 @@
-"""PostTrainConfig: supervised fine-tuning on conversations, LoRA adapters and DPO (tessera.posttrain).
+"""PostTrainConfig: supervised fine-tuning on conversations, LoRA adapters, DPO and GRPO (tessera.posttrain).
 
 The flag names are Megatron-LM's where it has them (`--sft`, `--sft-tokenizer-prompt-format`;
-megatron/training/arguments.py, _add_sft_args) and Megatron-Bridge's LoRA names otherwise
+megatron/training/arguments.py, _add_sft_args; `--grpo-group-size`, `--grpo-iterations`,
+`--grpo-kl-beta`, _add_rl_args) and Megatron-Bridge's LoRA names otherwise
 (`linear_qkv linear_proj linear_fc1 linear_fc2`, src/megatron/bridge/peft/lora.py).
 """
 
@@ -13,13 +14,16 @@ from tessera.config.fields import option, positive, require
 
 LORA = "LoRA adapters (tessera.posttrain.lora)"
 DPO = "preference optimisation (tessera.posttrain.dpo)"
+GRPO = "reinforcement learning from verifiable rewards (tessera.posttrain.grpo)"
+# How the per-token losses of a global batch add up, by TRL's loss_type names (tessera.posttrain.grpo).
+GRPO_LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 # The linear layers of a transformer block, by Megatron-Core's names.
 LORA_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
 
 @dataclass
 class PostTrainConfig:
-    """Fine-tuning: conversations (SFT), adapters (LoRA), preference pairs (DPO)."""
+    """Fine-tuning: conversations (SFT), adapters (LoRA), preference pairs (DPO), rewarded samples (GRPO)."""
 
     sft: bool = option(False, "supervised fine-tuning: --data-path holds conversations (JSONL with \"messages\", "
                               "or {\"prompt\", \"completion\"} rows, or their `tessera preprocess --sft` output), "
@@ -40,12 +44,38 @@ class PostTrainConfig:
                               "\"rejected\"} rows; the reference is the initial model", group=DPO)
     dpo_beta: float = option(0.1, "DPO's beta: the strength of the implicit KL penalty to the reference", group=DPO)
     dpo_sft_loss_weight: float = option(0.0, "add this times the chosen answers' SFT loss to DPO's", group=DPO)
+    grpo: bool = option(False, "GRPO: --data-path holds {\"prompt\", \"answer\"} rows; each step samples "
+                               "--grpo-group-size answers per prompt with the inference engine and rewards them",
+                        group=GRPO)
+    grpo_group_size: int = option(8, "answers sampled per prompt; advantages are normalised within each group",
+                                  group=GRPO)
+    grpo_reward: list[str] = option(["exact_match"], "rewards, summed: exact_match (the text after the last '####' "
+                                    "equals the row's answer), format (--grpo-format-regex matches), or a Python "
+                                    "function module:function(prompt, completion, answer) -> float", group=GRPO)
+    grpo_format_regex: str = option(r"####\s*\S", "what the format reward looks for in an answer (re.search)",
+                                    group=GRPO)
+    grpo_max_new_tokens: int = option(256, "longest answer sampled (cut to what --seq-length leaves)", group=GRPO)
+    grpo_temperature: float = option(1.0, "sampling temperature of the answers", group=GRPO)
+    grpo_top_p: float = option(1.0, "nucleus sampling of the answers (1 = off)", group=GRPO)
+    grpo_clip_eps: float = option(0.2, "the ratio pi / pi_old is clipped to [1 - eps, 1 + eps]", group=GRPO)
+    grpo_kl_coeff: float = option(0.0, "weight of the KL penalty to the reference, the initial model (Megatron-LM's "
+                                       "--grpo-kl-beta)", group=GRPO)
+    grpo_iterations: int = option(1, "optimizer steps on each batch of answers (the paper's mu)", group=GRPO)
+    grpo_loss_type: str = option("grpo", "how token losses add up: grpo (mean over each answer's tokens, then over "
+                                 "answers), dapo (mean over the global batch's tokens), dr_grpo (sum / answers x "
+                                 "--grpo-max-new-tokens)", GRPO_LOSS_TYPES, group=GRPO)
 
     def __post_init__(self) -> None:
-        positive(self, "lora_rank", "lora_alpha", "dpo_beta")
+        positive(self, "lora_rank", "lora_alpha", "dpo_beta", "grpo_group_size", "grpo_max_new_tokens",
+                 "grpo_clip_eps", "grpo_iterations")
         require(0 <= self.lora_dropout < 1, "--lora-dropout must be in [0, 1)")
         require(self.dpo_sft_loss_weight >= 0, "--dpo-sft-loss-weight must be >= 0")
         require(not (self.sft and self.dpo), "--sft and --dpo are exclusive (DPO's rows are preference pairs)")
+        require(self.grpo + self.sft + self.dpo <= 1, "--grpo does not combine with --sft or --dpo (GRPO's rows are "
+                "the answers it samples)")
+        require(self.grpo_temperature > 0, "--grpo-temperature must be > 0 (GRPO samples its answers)")
+        require(0 < self.grpo_top_p <= 1, "--grpo-top-p must be in (0, 1]")
+        require(self.grpo_kl_coeff >= 0, "--grpo-kl-coeff must be >= 0")
         if self.lora_rank is None:
             require(self.lora_alpha is None and self.lora_dropout == 0 and self.lora_exclude_modules is None
                     and self.lora_target_modules == list(LORA_MODULES),

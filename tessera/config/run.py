@@ -96,6 +96,7 @@ class RunConfig:
                 "--mtp-num-layers with --context-parallel-size > 1 is not supported (the MTP depths' shifted "
                 "tokens cross the context-parallel split)")
         self._check_dpo()
+        self._check_grpo()
         self._check_optimizer()
         self._check_experts()
         self._check_cuda_graph()
@@ -129,6 +130,35 @@ class RunConfig:
                 f"pair is two (chosen, rejected): give an even number (got {self.train.micro_batch_size})")
         require(not self.model.mtp_num_layers, "--dpo with --mtp-num-layers is not supported (DPO scores the answers "
                 "with the LM head alone)")
+
+    def _check_grpo(self) -> None:
+        """What GRPO's rollouts ask of the run: the engine reads the trainer's weights, whole layers on
+        every rank of a tensor-parallel group (tessera.posttrain.grpo_rollout)."""
+        post, parallel, model = self.posttrain, self.parallel, self.model
+        if not post.grpo:
+            return
+        rows = self.train.global_batch_size // self.data_parallel_size
+        require(rows % post.grpo_group_size == 0, f"--grpo: the {rows} rows a data-parallel rank trains each step "
+                f"(--global-batch-size / data-parallel size) must hold whole groups of --grpo-group-size "
+                f"{post.grpo_group_size}")
+        refused = [("--pipeline-model-parallel-size > 1", parallel.pipeline_model_parallel_size > 1,
+                    "the engine runs whole models"),
+                   ("--context-parallel-size > 1", parallel.context_parallel_size > 1,
+                    "the engine runs whole sequences"),
+                   ("--sequence-parallel", parallel.sequence_parallel, "the engine's steps hold a few tokens"),
+                   ("--use-torch-fsdp2", parallel.use_torch_fsdp2, "the engine reads whole weights"),
+                   ("--num-experts", bool(model.num_experts), "the rollout's routing is not replayed in training"),
+                   ("--mtp-num-layers", bool(model.mtp_num_layers), "GRPO scores the answers with the LM head alone"),
+                   ("--hybrid-layer-pattern", model.hybrid_layer_pattern is not None,
+                    "the engine keeps no Mamba-2 state"),
+                   ("--fp8-format", bool(self.train.fp8_format), "the engine runs the weights as they are stored"),
+                   ("--cuda-graph-impl full_iteration", self.train.cuda_graph_impl != "none",
+                    "its per-row advantages are not in the captured step"),
+                   ("--eval-interval", bool(self.train.eval_interval),
+                    "score held-out prompts with tessera generate"),
+                   ("--mock-data", self.data.mock_data, "GRPO reads prompts from --data-path")]
+        for name, given, why in refused:
+            require(not given, f"--grpo does not combine with {name} ({why})")
 
     def _check_optimizer(self) -> None:
         """What --optimizer sgd and muon take of the data-parallel layout (tessera.training.optimizer)."""

@@ -50,9 +50,16 @@ def computes_the_same_layers(model: GPTModel) -> bool:
                 and attention.q_norm is None and attention.sinks is None and attention.window is None
                 and attention.qkv.bias is None and attention.proj.bias is None
                 and mlp.fc1.bias is None and mlp.fc2.bias is None and rotary_dim <= attention.head_dim
+                and not _adapted(attention.qkv, attention.proj, mlp.fc1, mlp.fc2)
                 and all(_is_rms_norm(n) for n in (block.input_norm, block.post_attention_norm))):
             return False
     return _is_rms_norm(model.final_norm)
+
+
+def _adapted(*linears: nn.Module) -> bool:
+    """Whether a LoRA adapter rides on any of the layers (unmerged, as GRPO's rollouts run them):
+    the fused kernels read the base weights alone."""
+    return any(getattr(linear, "adapter", None) is not None for linear in linears)
 
 
 def _is_rms_norm(norm: nn.Module) -> bool:

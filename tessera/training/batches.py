@@ -75,6 +75,8 @@ class DataSource:
             self.datasets = self._conversations(samples)
         elif config.posttrain.dpo:
             self.datasets = self._preference_pairs(samples)
+        elif config.posttrain.grpo:
+            self.datasets = self._prompts()
         else:
             self.datasets = self._documents(samples)
 
@@ -117,8 +119,19 @@ class DataSource:
             tokenizer=tokenizer)
         return {"train": train_set, "valid": valid_set}
 
+    def _prompts(self) -> dict:
+        """--grpo: the prompts the rollouts answer (tessera.posttrain.grpo_data), and their
+        tokenizer (`self.tokenizer`), which reads the answers back for the rewards."""
+        from tessera.posttrain.grpo_data import build_prompt_set
+
+        config = self.config
+        self.tokenizer = self._chat_tokenizer()
+        prompts = build_prompt_set(config.data, self.tokenizer, config.posttrain.sft_tokenizer_prompt_format,
+                                   seq_length=config.model.seq_length, seed=config.train.seed)
+        return {"train": prompts, "valid": None}
+
     def _chat_tokenizer(self):
-        """The tokenizer of --sft and --dpo: --tokenizer-model's, with its chat template (or the
+        """The tokenizer of --sft, --dpo and --grpo: --tokenizer-model's, with its chat template (or the
         identity prompt format), its vocabulary checked against the model's."""
         from tessera.posttrain.sft_data import build_chat_tokenizer
 

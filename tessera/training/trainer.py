@@ -89,7 +89,7 @@ class Trainer:
         self._kernels()
         self.checkpointer = Checkpointer(config, self.device)
         self._start_weights()
-        self.train_data = self.data.micro_batches("train", consumed_samples=self.consumed_samples)
+        self.train_data = self._train_data()
         self.valid_data = self.data.micro_batches("valid", consumed_samples=0) if train.eval_interval else None
         self._monitors()
 
@@ -104,8 +104,11 @@ class Trainer:
         """The model, optimizer, iteration, consumed samples and RNG of a resume, or the start
         weights; and DPO's reference without LoRA: the start weights' log-probs of every row,
         before a resume replaces those weights (with LoRA it is the model with its adapters off)."""
-        config = self.config
-        reference_pass = self._reference_pass if config.posttrain.dpo and not config.posttrain.lora else None
+        config, post = self.config, self.config.posttrain
+        reference_pass = self._reference_pass if post.dpo and not post.lora else None
+        self.initial_model = None   # GRPO's KL reference without LoRA: a frozen copy of the start weights
+        if post.grpo and post.grpo_kl_coeff and not post.lora:
+            reference_pass = self._keep_initial_model
         if config.checkpoint.load or config.checkpoint.pretrained_checkpoint:
             self.checkpointer.load(self, on_start_weights=reference_pass)
         elif reference_pass is not None:
@@ -130,9 +133,15 @@ class Trainer:
         )
 
     def _objective(self):
-        """The loss terms of a step: the LM's (LossTerms), or with --dpo the preference loss
-        (tessera.posttrain.dpo) against its reference."""
+        """The loss terms of a step: the LM's (LossTerms), with --dpo the preference loss
+        (tessera.posttrain.dpo) against its reference, with --grpo the clipped policy gradient
+        on the step's answers (tessera.posttrain.grpo)."""
         config = self.config
+        if config.posttrain.grpo:
+            from tessera.posttrain.grpo import GRPOObjective
+
+            return GRPOObjective(config.posttrain, dp_group=self.mesh.group("dp"), device=self.device,
+                                 rollout_metrics=lambda: self.train_data.metrics())
         if not config.posttrain.dpo:
             return LossTerms(config.model, self.mesh, self.device)
         from tessera.posttrain.dpo import DPOObjective, PrecomputedReference, PreferenceTerms
@@ -143,6 +152,24 @@ class Trainer:
         # Without LoRA the initial model's log-probs are computed once (_reference_pass).
         return PreferenceTerms(objective, self._reference(adapters_off=True) if config.posttrain.lora
                                else PrecomputedReference())
+
+    def _train_data(self):
+        """This rank's training micro-batches: the datasets', or with --grpo the answers the inference
+        engine samples from this model (tessera.posttrain.grpo_rollout)."""
+        if not self.config.posttrain.grpo:
+            return self.data.micro_batches("train", consumed_samples=self.consumed_samples)
+        from tessera.posttrain.grpo_rollout import Rollouts
+
+        return Rollouts(self.model, self.data.datasets["train"], self.data.tokenizer, self.config, self.mesh,
+                        device=self.device, run_model=self._token_losses, reference=self.initial_model,
+                        before_rollout=self.optimizer.wait_for_parameters, start_iteration=self.iteration)
+
+    def _keep_initial_model(self) -> None:
+        """GRPO's reference without LoRA: a frozen copy of the start weights, before a resume replaces them."""
+        from tessera.posttrain.dpo import frozen_reference
+
+        self.optimizer.wait_for_parameters()
+        self.initial_model = frozen_reference(self.model, self._token_losses).model
 
     def _reference(self, *, adapters_off: bool):
         """DPO's reference: this model run on each micro-batch (with LoRA, its adapters off), or
