@@ -14,7 +14,8 @@ DeepSeek's multi-latent attention maps in tessera.interop.hf_deepseek; its exper
 (e_score_correction_bias, kept fp32 as transformers keeps it) is the router's, and its
 multi-token prediction layers (model.layers.{num_hidden_layers + d - 1}, which transformers'
 model skips on load) are tessera's MTP depths, the shared embedding and output layer written
-back as the copies the checkpoints hold.
+back as the copies the checkpoints hold. GPT-OSS's layers (sinks, interleaved biased experts, a
+router bias) map in tessera.interop.hf_gpt_oss.
 The vocabulary is padded for tensor parallelism on import (zero rows, never a target)
 and cut back on export, so HF -> tessera -> HF gives back every tensor bit for bit.
 Only local directories are read: nothing is downloaded.
@@ -30,7 +31,7 @@ from pathlib import Path
 import torch
 
 from tessera.config import ConfigError, ModelConfig
-from tessera.interop import hf_deepseek, hf_mamba
+from tessera.interop import hf_deepseek, hf_gpt_oss, hf_mamba
 from tessera.interop.hf_config import (
     MAMBA_FAMILIES, UnsupportedModel, hf_config_from_model, infer_family, model_config_from_hf,
 )
@@ -184,6 +185,8 @@ def hf_state_from_tessera(state: dict[str, torch.Tensor], model: ModelConfig, fa
 
 def _block_from_hf(hf: dict[str, torch.Tensor], src: str, dst: str, model: ModelConfig, family: str,
                    moe: bool) -> dict:
+    if family == hf_gpt_oss.FAMILY:
+        return hf_gpt_oss.layer_from_hf(hf, src, dst)
     out = _attention_from_hf(hf, src, dst, model)
     if moe:
         out.update(_moe_from_hf(hf, src, dst + "mlp.", model, family))
@@ -194,6 +197,8 @@ def _block_from_hf(hf: dict[str, torch.Tensor], src: str, dst: str, model: Model
 
 def _block_to_hf(state: dict[str, torch.Tensor], src: str, dst: str, model: ModelConfig, family: str,
                  moe: bool) -> dict:
+    if family == hf_gpt_oss.FAMILY:
+        return hf_gpt_oss.layer_to_hf(state, src, dst, model)
     out = _attention_to_hf(state, src, dst, model)
     out.update(_moe_to_hf(state, src + "mlp.", dst, model, family) if moe
                else _swiglu_to_hf(state, src + "mlp.", dst + "mlp."))

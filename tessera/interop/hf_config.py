@@ -5,7 +5,8 @@ and three Mixture-of-Experts families: Mixtral, Qwen2-MoE (also Qwen1.5-MoE: QKV
 sigmoid-gated shared expert) and Qwen3-MoE (per-head QK norm); DeepSeek-V2 and -V3 (and
 Kimi-K2's checkpoints, DeepSeek-V3's code) with multi-latent attention, their fields in
 tessera.interop.hf_deepseek; Mamba-2 (a hybrid stack of M layers), in
-tessera.interop.hf_mamba. Anything the tessera model would compute differently (a RoPE
+tessera.interop.hf_mamba; GPT-OSS (attention sinks, sliding windows, biased experts) in
+tessera.interop.hf_gpt_oss. Anything the tessera model would compute differently (a RoPE
 scaling other than llama3 or yarn, a sliding window, biases tessera has no place for, another
 activation, router jitter) is refused with a message naming the HF field, rather than converted
 into a model that silently disagrees.
@@ -41,7 +42,7 @@ DEEPSEEK_FAMILIES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "Dee
                      "kimi_k2": "DeepseekV3ForCausalLM"}
 # Hybrid stacks of Mamba-2 layers (tessera.interop.hf_mamba): model_type -> architecture
 MAMBA_FAMILIES = {"mamba2": "Mamba2ForCausalLM"}
-FAMILIES = (*LLAMA_LIKE, *DEEPSEEK_FAMILIES, *MAMBA_FAMILIES, "gpt2")
+FAMILIES = (*LLAMA_LIKE, *DEEPSEEK_FAMILIES, *MAMBA_FAMILIES, "gpt_oss", "gpt2")
 _GPT2_ACTIVATIONS = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu": False}  # -> openai_gelu
 _QKV_BIAS = ("qwen2", "qwen2_moe")
 # Families whose sliding window is off unless use_sliding_window says otherwise.
@@ -155,6 +156,10 @@ def model_config_from_hf(hf: dict[str, Any], *, vocab_multiple: int = 128) -> Mo
         from tessera.interop import hf_mamba   # it builds on this module
 
         return hf_mamba.model_config_from_hf(hf, vocab_multiple)
+    if family == "gpt_oss":
+        from tessera.interop import hf_gpt_oss   # it builds on this module
+
+        return hf_gpt_oss.model_config_from_hf(hf, vocab_multiple)
     if family not in LLAMA_LIKE:
         raise UnsupportedModel(f"model_type '{family}' is not supported; tessera converts {', '.join(FAMILIES)}")
     defaults = _DEFAULTS.get(family, {})
@@ -283,6 +288,11 @@ def infer_family(model: ModelConfig) -> str:
         from tessera.interop import hf_deepseek
 
         return hf_deepseek.family_of(model)
+    if model.softmax_type != "vanilla" or model.quick_geglu or model.window_size is not None:
+        from tessera.interop import hf_gpt_oss
+
+        hf_gpt_oss.check_model(model)
+        return hf_gpt_oss.FAMILY
     if model.position_embedding_type == "learned_absolute":
         _require(model, _GPT2_BLOCKS, "GPT-2, the family with learned positions,")
         return "gpt2"
@@ -361,6 +371,10 @@ def hf_config_from_model(model: ModelConfig, family: str, base: dict[str, Any] |
             activation_function="gelu_new" if model.openai_gelu else "gelu", tie_word_embeddings=True,
             resid_pdrop=model.hidden_dropout, embd_pdrop=model.hidden_dropout, attn_pdrop=model.attention_dropout,
         )
+    elif family == "gpt_oss":
+        from tessera.interop import hf_gpt_oss
+
+        hf_gpt_oss.write_fields(hf, model, float(sum(aux_loss_coefficients(model).values())))
     else:
         rope = hf_rope_parameters(model)
         # The imported config's other RoPE keys (none of them scaling ones) are kept.
