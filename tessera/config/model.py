@@ -43,7 +43,7 @@ class ModelConfig:
     norm_epsilon: float = option(1e-5, "epsilon of the normalization layers")
     swiglu: bool = option(False, "gated SiLU MLP (LLaMA) instead of GeLU")
     openai_gelu: bool = option(False, "tanh approximation of GeLU (GPT-2's gelu_new) instead of the exact erf form")
-    quick_geglu: bool = option(False, "gated quick-GELU MLP, gate * sigmoid(1.702 gate) * up (GPT-OSS), instead of GeLU")
+    quick_geglu: bool = option(False, "gated quick-GELU MLP, gate * sigmoid(1.702 gate) * up (GPT-OSS), not GeLU")
     glu_linear_offset: float = option(0.0, "gated MLP: act(gate) * (up + this) (GPT-OSS 1.0)")
     activation_func_clamp_value: float | None = option(
         None, "gated MLP: clamp the gate above and up on both sides at this value before the activation (GPT-OSS 7.0)")

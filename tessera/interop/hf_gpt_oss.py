@@ -63,7 +63,8 @@ def model_config_from_hf(hf: dict[str, Any], vocab_multiple: int) -> ModelConfig
     return ModelConfig(
         num_layers=layers, hidden_size=hf["hidden_size"], ffn_hidden_size=hf["intermediate_size"],
         num_attention_heads=heads, group_query_attention=groups != heads,
-        num_query_groups=groups if groups != heads else None, kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
+        num_query_groups=groups if groups != heads else None,
+        kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
         seq_length=positions, max_position_embeddings=positions,
         vocab_size=hf["vocab_size"], make_vocab_size_divisible_by=vocab_multiple,
         position_embedding_type="rope", **rope_fields_from_hf(hf, 150000.0), normalization="RMSNorm",

@@ -119,6 +119,6 @@ def test_greedy_generation_matches_transformers(saved):
     reference, path = saved
     prompt = _ids()[:, :12]
     with torch.no_grad():
-        expected = reference.generate(prompt, max_new_tokens=10, do_sample=False, attention_mask=torch.ones_like(prompt),
-                                      pad_token_id=0)
+        expected = reference.generate(prompt, max_new_tokens=10, do_sample=False,
+                                      attention_mask=torch.ones_like(prompt), pad_token_id=0)
     assert torch.equal(generate(load_hf(path), prompt, max_new_tokens=10, temperature=0), expected)
