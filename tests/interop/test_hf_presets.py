@@ -17,13 +17,15 @@ import transformers
 
 from tessera.cli import run
 from tessera.config import ModelConfig
+from tessera.config.hybrid import layer_symbols
 from tessera.models.gpt import GPTModel, initialize_parameters
 from tessera.models.presets import PRESETS, preset_values
 from tessera.training.checkpoint_files import save_model_checkpoint
 
 VOCAB = 101
 # Presets no transformers family computes, and the flag their refusal names.
-REFUSED = {"tiny-moe": "--moe-shared-expert-gate"}
+REFUSED = {"tiny-moe": "--moe-shared-expert-gate", "tiny-hybrid": "--hybrid-layer-pattern",
+           "mamba2-hybrid-8b": "--hybrid-layer-pattern"}
 
 
 def tiny(preset: str) -> ModelConfig:
@@ -33,6 +35,10 @@ def tiny(preset: str) -> ModelConfig:
                   max_position_embeddings=32, make_vocab_size_divisible_by=8, init_method_std=0.1, num_layers=2)
     if full.group_query_attention:
         values["num_query_groups"] = 2
+    if full.hybrid_layer_pattern:   # each kind of layer once; Mamba-2 heads of 16 channels in 2 groups
+        pattern = "".join(dict.fromkeys(layer_symbols(full.hybrid_layer_pattern)))
+        values.update(hybrid_layer_pattern=pattern, num_layers=len(pattern), mamba_head_dim=16, mamba_num_groups=2,
+                      mamba_state_dim=16)
     if "kv_channels" in values:
         values["kv_channels"] = 24   # not hidden / heads, as in the presets that set it
     if full.multi_latent_attention:
