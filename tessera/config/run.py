@@ -167,6 +167,12 @@ class RunConfig:
         require(not (optimizer == "sgd" and parallel.use_distributed_optimizer),
                 "--optimizer sgd with --use-distributed-optimizer is not supported yet (use --optimizer adam, or "
                 "--data-parallel-sharding-strategy no_shard)")
+        # Offload keeps the distributed optimizer's state (fp32 masters apart from the weights) on the host.
+        if self.optim.optimizer_cpu_offload:
+            require(parallel.use_distributed_optimizer, "--optimizer-cpu-offload needs --use-distributed-optimizer "
+                    "(one GPU too: it keeps the fp32 masters apart from the weights)")
+            require(optimizer == "adam", f"--optimizer-cpu-offload offloads AdamW's state: it does not combine with "
+                    f"--optimizer {optimizer}")
         if optimizer != "muon":
             return
         # Newton-Schulz needs whole matrices: FSDP2 cuts every one over the data-parallel ranks.
