@@ -157,6 +157,9 @@ class TrainConfig:
         "auto", "SDPA kernel preference; Megatron-LM's names are taken too (fused: cudnn; unfused, local: math)",
         ("auto", "flash", "cudnn", "efficient", "math") + tuple(MEGATRON_ATTENTION_BACKENDS))
     compile: bool | None = option(None, "torch.compile each block (default: on for CUDA, off on CPU)")
+    compile_artifacts: bool | None = option(
+        None, "save torch.compile's artifacts with each checkpoint and load them with it, so that a restart on a "
+        "fresh machine starts warm (default: on whenever the blocks are compiled; torch >= 2.7)")
     cuda_graph_impl: str = option("none", "full_iteration: replay each step's forward and backward passes as one "
                                   "CUDA graph (the optimizer step stays eager; one GPU)", ("none", "full_iteration"))
     cuda_graph_warmup_steps: int = option(3, "eager steps before --cuda-graph-impl captures (compilation settles)")

@@ -70,6 +70,7 @@ class BuiltModel:
     model: GPTModel
     context_parallel: ContextParallel | None
     fp8_layers: list           # the FP8 GEMM layers (tessera.training.fp8), empty without --fp8-format
+    compiled: bool             # the blocks and the head are torch.compile'd
 
 
 def build_model(config: RunConfig, mesh: Mesh, device: torch.device, chunks: list[range] | None) -> BuiltModel:
@@ -94,7 +95,8 @@ def build_model(config: RunConfig, mesh: Mesh, device: torch.device, chunks: lis
 
         apply_lora(model, config.posttrain, train.seed)
     fp8_layers = _apply_fp8(model, config, mesh, device)
-    if train.compile if train.compile is not None else device.type == "cuda":   # compiled on CUDA by default
+    compiled = train.compile if train.compile is not None else device.type == "cuda"   # on CUDA by default
+    if compiled:
         if parallel.use_torch_fsdp2 and train.fp8_param_gather:
             raise ConfigError("--fp8-param-gather with --use-torch-fsdp2 does not combine with torch.compile "
                               "(use --no-compile)")
@@ -102,7 +104,7 @@ def build_model(config: RunConfig, mesh: Mesh, device: torch.device, chunks: lis
     if parallel.use_torch_fsdp2:
         apply_fsdp2(model, mesh, param_dtype=torch.bfloat16 if train.bf16 else None,
                     fp8_weights=fp8.gathered_weights(model) if train.fp8_param_gather else ())
-    return BuiltModel(model, context_parallel, fp8_layers)
+    return BuiltModel(model, context_parallel, fp8_layers, compiled)
 
 
 def _apply_fp8(model: GPTModel, config: RunConfig, mesh: Mesh, device: torch.device) -> list:

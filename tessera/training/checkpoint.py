@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from tessera.config import ConfigError, ModelConfig, RunConfig, flag
 from tessera.data.tokenizers import tokenizer_files
+from tessera.training import compile_artifacts
 from tessera.training.checkpoint_files import (
     WRITE_THREADS, complete_checkpoints, copy_tokenizer, global_rank, iteration_dir, log_info, log_warning,
     saved_run_config, single_process_ok, write_checkpoint,
@@ -176,6 +177,9 @@ class Checkpointer:
         trainer.optimizer.wait_for_parameters()   # --overlap-param-gather: weights still arriving
         state = training_state(trainer)
         self.last_saved = trainer.iteration
+        made_for = self._compiled_for(trainer)
+        if made_for is not None:
+            compile_artifacts.save(directory, global_rank(), made_for)
         # WRITE_THREADS read here, at each save: bench/checkpoint.py sets this module's to compare counts
         args = dict(config=self._run_config(), keep_last=self.options.keep_last, thread_count=WRITE_THREADS)
         if not self.options.async_save:
@@ -379,7 +383,18 @@ class Checkpointer:
                 log_warning(f"skipping {directory}: cannot be read ({type(exc).__name__}: {str(exc)[:300]})")
         raise RuntimeError(f"--load {root}: none of its checkpoints could be read")
 
+    def _compiled_for(self, trainer) -> dict | None:
+        """What this rank's compiled kernels were made for (tessera.training.compile_artifacts), or
+        None where no artifacts are kept: nothing compiled, --no-compile-artifacts, torch < 2.7."""
+        if not trainer.compiled or self.train.compile_artifacts is False or not compile_artifacts.supported():
+            return None
+        return compile_artifacts.fingerprint(self.config, trainer.mesh, self.device)
+
     def _load_from(self, directory: Path, trainer, weights_only: bool = False) -> None:
+        made_for = self._compiled_for(trainer)   # the kernels first: nothing has compiled yet
+        note = compile_artifacts.load(directory, global_rank(), made_for) if made_for is not None else None
+        if note is not None:
+            log_warning(note)
         saved = saved_run_config(directory)
         differences = model_config_differences(saved["model"], self.config.model)
         if differences:

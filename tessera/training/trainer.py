@@ -44,6 +44,7 @@ from tessera.training.metrics import IterationStats, MetricsWriter, peak_memory_
 from tessera.training.optimizer import build_optimizer
 from tessera.training.precision import LossScaler, autocast, autocast_dtype
 from tessera.training.schedules import LRSchedule
+from tessera.training.startup import Startup
 from tessera.training.stragglers import StragglerTimer
 
 @dataclass
@@ -67,12 +68,14 @@ class StepResult:
 class Trainer:
     def __init__(self, config: RunConfig):
         self.config, train = config, config.train
+        self.startup = Startup()
         self.device = join_job(config)
         self.mesh = Mesh.build(config.parallel, self.device.type)
         self.data = DataSource(config, self.mesh)
         chunks = stage_chunks(config, self.mesh)
         built = build_model(config, self.mesh, self.device, chunks)
-        self.model, self.context_parallel, self.fp8_layers = built.model, built.context_parallel, built.fp8_layers
+        self.model, self.context_parallel, self.fp8_layers, self.compiled = \
+            built.model, built.context_parallel, built.fp8_layers, built.compiled
         self.moe = MoEBalance(self.model, self.mesh, num_micro_batches=config.num_micro_batches,
                               bias_update_rate=config.model.moe_router_bias_update_rate,
                               per_layer=train.moe_per_layer_logging)
@@ -88,7 +91,9 @@ class Trainer:
         self.iteration = self.consumed_samples = self.skipped_iterations = self.nan_iterations = 0
         self._kernels()
         self.checkpointer = Checkpointer(config, self.device)
+        self.startup.lap("build")
         self._start_weights()
+        self.startup.lap("load")
         self.train_data = self._train_data()
         self.valid_data = self.data.micro_batches("valid", consumed_samples=0) if train.eval_interval else None
         self._monitors()
@@ -354,6 +359,11 @@ class Trainer:
         with self._attention, self.checkpointer.exit_signal():
             while self.iteration < train.train_iters:
                 pending.append(self.train_step())
+                if self.startup is not None:   # said once, before the first iteration's line
+                    self._synchronize()
+                    self.startup.lap("first step (compiling)" if self.compiled else "first step")
+                    self.metrics.info(self.startup.line())
+                    self.startup = None
                 if self.nan_check is not None:
                     self.nan_check.watch(self.iteration, pending[-1].loss, pending[-1].grad_norm)
                 if self.iteration % train.log_interval == 0 or self.iteration == train.train_iters:
