@@ -299,14 +299,14 @@ class Checkpointer:
 
         Under LoRA the base is always --pretrained-checkpoint's (checkpoints hold the adapters) and
         loads first. `on_start_weights` is called once the run's start weights are in the model,
-        before a resume replaces them (DPO's reference pass)."""
+        before a resume replaces them (DPO's reference pass, GRPO's frozen reference)."""
         resuming = self._resuming()
         pretrained = self.options.pretrained_checkpoint is not None
         if pretrained and (self.config.posttrain.lora or on_start_weights is not None or not resuming):
             self._load_pretrained(trainer)
         elif resuming and on_start_weights is not None:
             raise ConfigError(f"resuming from --load {self.options.load} needs --pretrained-checkpoint: the run's "
-                              "start weights (DPO's reference) are not in its checkpoints")
+                              "start weights (the DPO or GRPO reference) are not in its checkpoints")
         if self.options.load is not None and not resuming:
             self._resume(trainer)   # --finetune's weights, or none yet: says so
         if on_start_weights is not None:
