@@ -43,6 +43,7 @@ class ModelConfig:
     norm_epsilon: float = option(1e-5, "epsilon of the normalization layers")
     swiglu: bool = option(False, "gated SiLU MLP (LLaMA) instead of GeLU")
     openai_gelu: bool = option(False, "tanh approximation of GeLU (GPT-2's gelu_new) instead of the exact erf form")
+    squared_relu: bool = option(False, "squared ReLU MLP, relu(x)^2 (Nemotron-H), instead of GeLU")
     quick_geglu: bool = option(False, "gated quick-GELU MLP, gate * sigmoid(1.702 gate) * up (GPT-OSS), not GeLU")
     glu_linear_offset: float = option(0.0, "gated MLP: act(gate) * (up + this) (GPT-OSS 1.0)")
     activation_func_clamp_value: float | None = option(
@@ -216,6 +217,8 @@ class ModelConfig:
         check_moe(self)
         check_attention_windows(self)
         check_gated_activation(self)
+        require(not (self.squared_relu and (self.gated_linear_unit or self.openai_gelu)),
+                "--squared-relu is an activation of its own: not with --swiglu, --quick-geglu or --openai-gelu")
         self._check_mtp()
         check_hybrid(self)
 

@@ -1,6 +1,6 @@
 """The dense MLP's activation fused into fc2: act(hidden) W^T keeping fc1's output, not the activation.
 
-    y = activation_linear(hidden, weight, "swiglu" | "gelu" | "gelu_tanh")
+    y = activation_linear(hidden, weight, "swiglu" | "gelu" | "gelu_tanh" | "squared_relu")
     x = activate(hidden, activation)   # the same activation in torch ops, for the unfused path
 
 One autograd function around fc2's local GEMM: forward, one kernel for the activation, then
@@ -9,7 +9,7 @@ d hidden and the activation again, then d W = dy^T act. A compiled block keeps t
 well as fc1's output; here the activation's memory is freed after fc2's GEMM (config A's peak
 6 GiB lower, config B's 4.1). SwiGLU's compiled backward also ran at ~2.5 TB/s, its kernel here
 near the copy rate. The kernels: tessera.kernels.swiglu, tessera.kernels.gelu (PyTorch ops
-without CUDA and Triton).
+without CUDA and Triton); squared ReLU's are PyTorch ops everywhere (tessera.kernels.squared_relu).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.kernels.gelu import gelu, gelu_backward, gelu_forward
+from tessera.kernels.squared_relu import squared_relu, squared_relu_backward, squared_relu_forward
 from tessera.kernels.swiglu import swiglu, swiglu_backward, swiglu_forward
 
 # name -> (forward: hidden -> act, backward: (d act, hidden) -> (d hidden, act))
@@ -25,6 +26,7 @@ _KERNELS = {
     "swiglu": (swiglu_forward, swiglu_backward),
     "gelu": (lambda hidden: gelu_forward(hidden, False), lambda grad, hidden: gelu_backward(grad, hidden, False)),
     "gelu_tanh": (lambda hidden: gelu_forward(hidden, True), lambda grad, hidden: gelu_backward(grad, hidden, True)),
+    "squared_relu": (squared_relu_forward, squared_relu_backward),
 }
 ACTIVATIONS = tuple(_KERNELS)
 
@@ -33,6 +35,8 @@ def activate(hidden: torch.Tensor, activation: str) -> torch.Tensor:
     """The activation in torch ops (autograd, autocast, compile fuse it); SwiGLU's hidden is [gate | up]."""
     if activation == "swiglu":
         return swiglu(hidden)
+    if activation == "squared_relu":
+        return squared_relu(hidden)
     return gelu(hidden, tanh=activation == "gelu_tanh")
 
 

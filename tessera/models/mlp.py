@@ -1,5 +1,5 @@
-"""The feed-forward block: GeLU, or SwiGLU with gate and up projections fused in one GEMM
-(the activation applied by fc2, tessera.parallel.tensor.RowParallelLinear); other gated
+"""The feed-forward block: GeLU or squared ReLU, or SwiGLU with gate and up projections fused in
+one GEMM (the activation applied by fc2, tessera.parallel.tensor.RowParallelLinear); other gated
 activations (--quick-geglu, --glu-linear-offset, --activation-func-clamp-value) between the
 GEMMs, tessera.models.gated_activation.
 
@@ -25,7 +25,8 @@ class MLP(nn.Module):
         super().__init__()
         ffn = ffn_hidden_size or config.ffn_hidden_size   # a MoE's shared expert has its own width
         self.swiglu = config.swiglu
-        self.activation = "swiglu" if config.swiglu else "gelu_tanh" if config.openai_gelu else "gelu"
+        self.activation = "swiglu" if config.swiglu else "squared_relu" if config.squared_relu \
+            else "gelu_tanh" if config.openai_gelu else "gelu"
         self.gated_activation = gated_activation(config)
         gated = config.gated_linear_unit
         _, tp_size = rank_and_size(tp_group)

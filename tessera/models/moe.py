@@ -33,6 +33,7 @@ from tessera.kernels.fp8 import Fp8Recipe
 from tessera.kernels.fp8_grouped import fp8_grouped_linear, padded_groups
 from tessera.kernels.gelu import gelu
 from tessera.kernels.grouped_gemm import grouped_linear
+from tessera.kernels.squared_relu import squared_relu
 from tessera.kernels.swiglu import weighted_swiglu
 from tessera.models.gated_activation import gated_activation
 from tessera.models.mlp import MLP
@@ -97,6 +98,7 @@ class GroupedExperts(nn.Module):
         etp_rank, etp_size = rank_and_size(groups.etp)
         experts, hidden, ffn = config.num_experts, config.hidden_size, config.moe_ffn_hidden_size
         self.swiglu, self.openai_gelu, self.grouped_gemm = config.swiglu, config.openai_gelu, config.moe_grouped_gemm
+        self.squared_relu = config.squared_relu
         self.gated_activation = gated_activation(config)
         gated = config.gated_linear_unit
         fc1_rows = 2 * ffn if gated else ffn
@@ -163,12 +165,14 @@ class GroupedExperts(nn.Module):
         return fp8_grouped_linear(hidden, fc2, ends, wgrad).index_select(0, where)
 
     def _weighted_activation(self, hidden: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        # In fp32, back to the GEMMs' dtype: SwiGLU by one kernel each way, GeLU as a compiled block fuses it.
+        # In fp32, back to the GEMMs' dtype: SwiGLU by one kernel each way, GeLU and squared ReLU as a
+        # compiled block fuses them.
         if self.gated_activation is not None:
             return (self.gated_activation(hidden.to(probs.dtype)) * probs.unsqueeze(-1)).to(hidden.dtype)
         if self.swiglu:
             return weighted_swiglu(hidden, probs)
-        out = gelu(hidden.float(), tanh=self.openai_gelu) * probs.unsqueeze(-1)
+        act = squared_relu(hidden.float()) if self.squared_relu else gelu(hidden.float(), tanh=self.openai_gelu)
+        out = act * probs.unsqueeze(-1)
         return out.to(hidden.dtype)
 
 

@@ -22,6 +22,8 @@ def reference_activation(hidden: torch.Tensor, activation: str) -> torch.Tensor:
     if activation == "swiglu":
         gate, up = hidden.chunk(2, dim=-1)
         return F.silu(gate) * up
+    if activation == "squared_relu":
+        return torch.relu(hidden) ** 2
     return F.gelu(hidden, approximate="tanh" if activation == "gelu_tanh" else "none")
 
 
@@ -52,12 +54,14 @@ def test_an_unknown_activation_is_named():
         activation_linear(torch.randn(2, 4), torch.randn(3, 4), "relu")
 
 
-@pytest.mark.parametrize("swiglu, openai_gelu", [(True, False), (False, False), (False, True)])
-def test_the_fused_mlp_equals_the_plain_one(swiglu, openai_gelu):
+@pytest.mark.parametrize("swiglu, openai_gelu, squared_relu",
+                         [(True, False, False), (False, False, False), (False, True, False), (False, False, True)])
+def test_the_fused_mlp_equals_the_plain_one(swiglu, openai_gelu, squared_relu):
     """fc2 takes the fused path when the kernels run (faked here, so that their torch path runs):
     output, input gradient and every weight's gradient as without it, and the activation not kept."""
     config = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, ffn_hidden_size=24, swiglu=swiglu,
-                         openai_gelu=openai_gelu, disable_bias_linear=swiglu, vocab_size=32, seq_length=8)
+                         openai_gelu=openai_gelu, squared_relu=squared_relu, disable_bias_linear=swiglu,
+                         vocab_size=32, seq_length=8)
     mlp = MLP(config, output_std=0.02)
     initialize_parameters(mlp, seed=3)
     x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1))
