@@ -22,6 +22,12 @@ setup: $(VENV)/.ready
 demo: setup
 	$(PY) examples/demo.py
 
+# Post-training on a CPU (docs/post-training.md): SFT, then LoRA and DPO on the SFT model.
+sft-demo: setup
+	$(PY) examples/sft.py
+	$(PY) examples/sft.py --lora
+	$(PY) examples/sft.py --dpo
+
 # Two workers (pytest-xdist), each test file on one of them: module fixtures are built once, and
 # the suite takes ~7 minutes on two cores where one worker took ~11 (tests/ports.py keeps the
 # workers' ports apart). TEST_WORKERS=0 runs it in this process.
