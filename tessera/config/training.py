@@ -6,6 +6,11 @@ from dataclasses import dataclass
 
 from tessera.config.fields import flag, option, positive, require
 
+# The modules whose saved activations --offload-modules names (tessera.models.activation_offload):
+# Megatron-LM's names, and `mlp` for the dense MLP.
+ACTIVATION_OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "mlp",
+                              "expert_fc1", "moe_act")
+
 MUON = "Muon (--optimizer muon)"
 
 @dataclass
@@ -153,6 +158,13 @@ class TrainConfig:
     recompute_granularity: str | None = option(None, "activation recomputation", ("full", "selective"))
     recompute_method: str | None = option(None, "which layers --recompute-granularity full recomputes", ("uniform", "block"))
     recompute_num_layers: int | None = option(None, "layers per recompute chunk (uniform) or recomputed layers (block)")
+    fine_grained_activation_offloading: bool = option(
+        False, "copy what the --offload-modules save for backward to host memory in the forward pass, and back "
+        "before their backward (tessera.models.activation_offload; the blocks run uncompiled)")
+    offload_modules: list[str] = option(
+        [], "with --fine-grained-activation-offloading: the modules whose saved activations go to host memory",
+        ACTIVATION_OFFLOAD_MODULES)
+    min_offloaded_tensor_size: int = option(1024 * 1024, "saved tensors with fewer elements stay on the GPU")
     attention_backend: str = option(
         "auto", "SDPA kernel preference; Megatron-LM's names are taken too (fused: cudnn; unfused, local: math)",
         ("auto", "flash", "cudnn", "efficient", "math") + tuple(MEGATRON_ATTENTION_BACKENDS))
@@ -200,6 +212,30 @@ class TrainConfig:
         else:
             require(self.recompute_method is None,
                      "--recompute-method needs --recompute-granularity full")
+        self._check_activation_offload()
+
+    def _check_activation_offload(self) -> None:
+        """What fine-grained activation offloading takes (tessera.models.activation_offload)."""
+        require(bool(self.offload_modules) == self.fine_grained_activation_offloading,
+                "--fine-grained-activation-offloading and --offload-modules go together")
+        unknown = sorted(set(self.offload_modules) - set(ACTIVATION_OFFLOAD_MODULES))
+        require(not unknown, f"--offload-modules: unknown {', '.join(unknown)} (choose from "
+                f"{', '.join(ACTIVATION_OFFLOAD_MODULES)})")
+        require(self.min_offloaded_tensor_size >= 0, "--min-offloaded-tensor-size must be >= 0")
+        if not self.fine_grained_activation_offloading:
+            return
+        require(not (self.recompute_granularity == "selective" and "core_attn" in self.offload_modules),
+                "--offload-modules core_attn does not combine with --recompute-granularity selective (core "
+                "attention is recomputed: it saves nothing to offload)")
+        require(not (self.recompute_granularity == "full" and self.recompute_method == "uniform"),
+                "--fine-grained-activation-offloading does not combine with --recompute-method uniform (every "
+                "layer is recomputed and saves only its input); use --recompute-method block")
+        require(self.cuda_graph_impl == "none", "--fine-grained-activation-offloading does not combine with "
+                "--cuda-graph-impl (its copies are issued from the host)")
+        # A compiled block saves its tensors in one autograd function: no module boundaries inside.
+        require(self.compile is not True, "--fine-grained-activation-offloading does not combine with --compile "
+                "(its hooks mark module boundaries that a compiled block hides)")
+        self.compile = False
 
     def _check_fp8(self) -> None:
         if self.fp8_format is None:

@@ -17,6 +17,7 @@ import torch
 
 from tessera.config import ConfigError, RunConfig
 from tessera.config.hybrid import stage_ranges
+from tessera.models.activation_offload import install_activation_offload
 from tessera.models.gpt import GPTModel, Recompute, initialize_parameters
 from tessera.parallel.context import ContextParallel
 from tessera.parallel.experts import ExpertGroups
@@ -95,6 +96,9 @@ def build_model(config: RunConfig, mesh: Mesh, device: torch.device, chunks: lis
 
         apply_lora(model, config.posttrain, train.seed)
     fp8_layers = _apply_fp8(model, config, mesh, device)
+    if train.fine_grained_activation_offloading:
+        install_activation_offload(model, train.offload_modules, device, train.min_offloaded_tensor_size,
+                                   skip_layers=_recomputed_layers(model, chunks))
     compiled = train.compile if train.compile is not None else device.type == "cuda"   # on CUDA by default
     if compiled:
         if parallel.use_torch_fsdp2 and train.fp8_param_gather:
@@ -105,6 +109,13 @@ def build_model(config: RunConfig, mesh: Mesh, device: torch.device, chunks: lis
         apply_fsdp2(model, mesh, param_dtype=torch.bfloat16 if train.bf16 else None,
                     fp8_weights=fp8.gathered_weights(model) if train.fp8_param_gather else ())
     return BuiltModel(model, context_parallel, fp8_layers, compiled)
+
+
+def _recomputed_layers(model: GPTModel, chunks: list[range] | None) -> set[int]:
+    """The layers --recompute-granularity full recomputes: they save only their input."""
+    runs = [list(chunk) for chunk in chunks] if chunks is not None else [[index for index, _ in model.layers.items()]]
+    return {run[i] for run in runs for start, end, recomputed in model._layer_chunks(len(run)) if recomputed
+            for i in range(start, end)}
 
 
 def _apply_fp8(model: GPTModel, config: RunConfig, mesh: Mesh, device: torch.device) -> list:
