@@ -75,6 +75,7 @@ def _fixed_layout(values: dict, args: argparse.Namespace, model: ModelConfig) ->
     virtual = _virtual_stages(values, args, model, pp) or 1
     mbs = _setting(values, args, "micro_batch_size", 1)
     hierarchical = _setting(values, args, "hierarchical_context_parallel_sizes")
+    offload = _offload(values, args)   # tessera compiles on GPUs, but not blocks that offload activations
     layout = Layout(tp=tp, pp=pp, dp=dp, cp=cp, cp_comm_type=_setting(values, args, "cp_comm_type", ["p2p"])[0],
                     cp_a2a_size=hierarchical[0] if hierarchical else None,
                     ep=_setting(values, args, "expert_model_parallel_size", 1),
@@ -90,8 +91,8 @@ def _fixed_layout(values: dict, args: argparse.Namespace, model: ModelConfig) ->
                     overlap_param_gather=bool(_setting(values, args, "overlap_param_gather")),
                     tp_comm_overlap=bool(_setting(values, args, "tp_comm_overlap")),
                     overlap_p2p_communication=bool(_setting(values, args, "overlap_p2p_communication")),
-                    compiled=_setting(values, args, "compile") is not False,  # tessera compiles on GPUs
-                    framework="tessera", **_fp8(values, args), **_moments(values, args))
+                    compiled=_setting(values, args, "compile") is not False and not offload["offload_modules"],
+                    framework="tessera", **_fp8(values, args), **_moments(values, args), **offload)
     return layout, _setting(values, args, "global_batch_size", mbs * dp)
 
 
@@ -117,6 +118,15 @@ def _fp8(values: dict, args: argparse.Namespace) -> dict:
 def _moments(values: dict, args: argparse.Namespace) -> dict:
     """tessera train's --exp-avg-dtype / --exp-avg-sq-dtype as given (fp32 otherwise), as Layout fields."""
     return {name: _setting(values, args, name, getattr(Layout, name)) for name in MOMENT_FIELDS}
+
+
+def _offload(values: dict, args: argparse.Namespace) -> dict:
+    """tessera train's offloading flags as given, as Layout fields."""
+    activations = _setting(values, args, "fine_grained_activation_offloading")
+    modules = _setting(values, args, "offload_modules") if activations else None
+    return dict(optimizer_cpu_offload=bool(_setting(values, args, "optimizer_cpu_offload")),
+                optimizer_offload_fraction=_setting(values, args, "optimizer_offload_fraction", 1.0),
+                offload_modules=tuple(modules or ()))
 
 
 def _virtual_stages(values: dict, args: argparse.Namespace, model: ModelConfig, pp: int) -> int | None:
@@ -150,7 +160,10 @@ def _space(values: dict, args: argparse.Namespace, model: ModelConfig) -> Search
                        tp_comm_overlap=True if _setting(values, args, "tp_comm_overlap") else None,
                        overlap_p2p_communication=True if _setting(values, args, "overlap_p2p_communication") else None,
                        compiled=_setting(values, args, "compile") is not False, framework="tessera",
-                       fp8=_fp8(values, args), moments=_moments(values, args))
+                       fp8=_fp8(values, args), moments=_moments(values, args),
+                       # offloading given is held fixed; else tried once nothing fits without it
+                       optimizer_cpu_offload=True if _setting(values, args, "optimizer_cpu_offload") else None,
+                       offload_modules=_offload(values, args)["offload_modules"] or None)
 
 
 def as_dict(prediction: Prediction, model: ModelConfig, capacity: float) -> dict:
@@ -163,6 +176,7 @@ def as_dict(prediction: Prediction, model: ModelConfig, capacity: float) -> dict
         "memory_gib_per_gpu": prediction.memory.total / GIB, "fits": prediction.memory.total <= capacity,
         "memory_gib": {k: v / GIB for k, v in prediction.memory.as_dict().items()},
         "expert_state_gib": prediction.memory.expert_state / GIB,
+        "host_gib": prediction.memory.host / GIB,
         "time_s": dict(prediction.breakdown),
     }
 
@@ -189,6 +203,8 @@ def _print_breakdown(prediction: Prediction, capacity: float) -> None:
         print(f"  {name:<12} {value / GIB:8.2f} GiB")
     if memory.expert_state:
         print(f"  (of weights, gradients and optimizer, routed experts {memory.expert_state / GIB:.2f} GiB)")
+    if memory.host:
+        print(f"  (in host memory besides: offloaded optimizer state {memory.host / GIB:.2f} GiB)")
     print(f"time per iteration {step:.3f} s (slowest stage):")
     for name, value in sorted(prediction.breakdown.items(), key=lambda item: -item[1]):
         print(f"  {name:<12} {value:8.3f} s  {value / step * 100:5.1f}%")

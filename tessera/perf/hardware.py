@@ -15,12 +15,13 @@ class GPU:
     peak_tflops: dict          # dtype name -> dense TFLOP/s
     memory_gb: float           # HBM capacity, GB (1e9 bytes)
     hbm_tb_per_s: float        # HBM bandwidth, TB/s
+    host_link_gb_per_s: float = 64.0   # PCIe to the host, GB/s per direction (Gen5 x16; offloading crosses it)
 
 
 _HOPPER_SXM = {"bf16": 989.0, "fp16": 989.0, "fp8": 1979.0, "tf32": 494.7, "fp32": 66.9}
 
 GPUS: dict[str, GPU] = {
-    "a100": GPU("A100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}, 80, 2.039),
+    "a100": GPU("A100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}, 80, 2.039, 32.0),  # PCIe Gen4
     "h100-sxm": GPU("H100 SXM", _HOPPER_SXM, 80, 3.35),
     # H800: the H100 SXM's compute and memory with less NVLink (the export part DeepSeek-V3 trained on)
     "h800": GPU("H800 SXM", _HOPPER_SXM, 80, 3.35),

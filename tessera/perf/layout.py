@@ -59,6 +59,9 @@ class Layout:
     no_fp8_wgrad: bool = False                                           # --no-fp8-wgrad
     fp8_experts: bool = False                                            # --fp8-experts
     fp8_param_gather: bool = False                                       # --fp8-param-gather
+    optimizer_cpu_offload: bool = False   # --optimizer-cpu-offload (with the distributed optimizer)
+    optimizer_offload_fraction: float = 1.0   # --optimizer-offload-fraction
+    offload_modules: tuple[str, ...] = ()   # --offload-modules (--fine-grained-activation-offloading; uncompiled)
 
     @property
     def moment_bytes(self) -> float:
@@ -155,6 +158,11 @@ class Layout:
             parts.append(f"recompute-{self.recompute}")
         if self.fp8_format:
             parts.append(f"FP8-{self.fp8_recipe}")
+        if self.optimizer_cpu_offload:
+            fraction = self.optimizer_offload_fraction
+            parts.append("optimizer-offload" + (f"-{fraction:g}" if fraction < 1 else ""))
+        if self.offload_modules:
+            parts.append(f"offload({','.join(self.offload_modules)})")
         return " ".join(parts)
 
     @property
@@ -211,6 +219,12 @@ class Layout:
         # As set, so that the trainer refuses what it cannot run (these without --fp8-format).
         settings.update(_switches(no_fp8_wgrad=self.no_fp8_wgrad, fp8_experts=self.fp8_experts,
                                   fp8_param_gather=self.fp8_param_gather))
+        if self.optimizer_cpu_offload:
+            settings["optimizer_cpu_offload"] = True
+            if self.optimizer_offload_fraction < 1:
+                settings["optimizer_offload_fraction"] = self.optimizer_offload_fraction
+        if self.offload_modules:
+            settings.update(fine_grained_activation_offloading=True, offload_modules=list(self.offload_modules))
         if not self.compiled:   # tessera train compiles on GPUs unless told not to
             settings["compile"] = False
         return settings

@@ -67,6 +67,7 @@ from typing import NamedTuple
 from tessera.config import ModelConfig
 from tessera.perf.flops import LayerParameters, attention_projections, count_parameters, layer_parameters
 from tessera.perf.layout import Layout
+from tessera.perf.offload import offloaded_activation_bytes, optimizer_chunk_bytes, optimizer_offload_bytes
 
 GIB = 2**30
 # What a MoE router and its permutation keep, as counted on tessera's compiled MoE block
@@ -92,6 +93,7 @@ class MemoryBreakdown:
     buffers: float       # gathered activations (SP), unsharded layers (FSDP), token dispatch (MoE)
     stage: str           # which pipeline stage this is ("pipeline rank 0 of 4", "the only stage")
     expert_state: float = 0.0   # of weights + gradients + optimizer: the routed experts' part
+    host: float = 0.0           # kept in host memory instead (offloaded optimizer state), not in the total
 
     @property
     def total(self) -> float:
@@ -99,7 +101,7 @@ class MemoryBreakdown:
 
     def as_dict(self) -> dict:
         """The categories that add up to the total."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("stage", "expert_state")}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("stage", "expert_state", "host")}
 
 
 def layer_activation_bytes(model: ModelConfig, layout: Layout, seq_length: int,
@@ -353,6 +355,11 @@ def _stage_memory(model: ModelConfig, layout: Layout, global_batch_size: int, se
     chunks = chunks_in_flight(layout, num_micro_batches, pp_rank)
     # Chunks in flight, each a 1/v share of the rank's layers (alike when MoE layers are spread evenly).
     activations = chunks * sum(per_kind[kinds[i]] for i in layers) / layout.virtual_stages
+    if layout.offload_modules:   # gone to the host but for one layer's, in flight (tessera.perf.offload)
+        offloaded = {kind: offloaded_activation_bytes(model, layout, seq_length, residual_bytes(layout), kind[0])
+                     for kind in set(kinds)}
+        activations -= chunks * sum(offloaded[kinds[i]] for i in layers) / layout.virtual_stages
+        activations += max(offloaded[kinds[i]] for i in layers)
     if layout.recompute == "full":
         # Backward recomputes one layer at a time: its full activations exist briefly.
         activations += max(layer_activation_bytes(model, replace(layout, recompute="none"), seq_length,
@@ -370,8 +377,10 @@ def _stage_memory(model: ModelConfig, layout: Layout, global_batch_size: int, se
     if any(moe[i] for i in layers):
         buffers += dispatch_buffer_bytes(model, layout, seq_length)
     stage = "the only stage" if layout.pp == 1 else f"pipeline rank {pp_rank} of {layout.pp}"
-    return MemoryBreakdown(weights, gradients, optimizer, activations, logits, buffers, stage,
-                           sum(expert_bytes) * params.experts)
+    host = optimizer_offload_bytes(layout, optimizer)
+    buffers += optimizer_chunk_bytes(layout)
+    return MemoryBreakdown(weights, gradients, optimizer - host, activations, logits, buffers, stage,
+                           sum(expert_bytes) * params.experts, host)
 
 
 def _state_bytes_per_parameter(layout: Layout, num_micro_batches: int, shards: int) -> tuple[float, float, float]:

@@ -10,7 +10,8 @@ a2a+p2p with its all-to-all inside a node); sequence parallelism whenever TP > 1
 --tp-comm-overlap tried on and off; the pipeline transfers overlapped; the distributed
 optimizer whenever there are replicas (it is never slower and saves memory), with the
 gradient reduction and parameter gather overlapped; recomputation only as a fallback when
-nothing fits without it. For MoE models, expert parallelism: EP a power of two dividing the
+nothing fits without it, and offloading (optimizer state, chosen activations) when nothing fits
+even with it. For MoE models, expert parallelism: EP a power of two dividing the
 experts, expert-TP 1 or the TP size, folded into TP x CP x DP; the alltoall dispatcher with
 EP > 1 is tried beside allgather. Anything a user fixes on the command line is held fixed,
 and every candidate is one `tessera train` accepts (check_layout asks its config).
@@ -83,6 +84,9 @@ class SearchSpace:
     framework: str = "megatron"
     fp8: dict | None = None   # the FP8 settings (Layout's FP8_FIELDS), held fixed; None: bf16
     moments: dict | None = None   # the Adam moments' dtypes (Layout's MOMENT_FIELDS), held fixed; None: fp32
+    # Offloading (tessera.perf.offload): None tries it once nothing fits without it; a value holds it fixed.
+    optimizer_cpu_offload: bool | None = None
+    offload_modules: tuple[str, ...] | None = None
 
 
 def candidates(model: ModelConfig, gpus: int, gpus_per_node: int, global_batch_size: int, seq_length: int,
@@ -193,8 +197,9 @@ def search(model: ModelConfig, gpus: int, cluster: Cluster, curves: KernelCurves
            seq_length: int, space: SearchSpace = SearchSpace(), causal_flops: bool = True,
            top: int = 5) -> list[Prediction]:
     """The `top` best layouts that fit in memory, best first; empty if none fits. Recomputation
-    is tried only when no layout fits without it, selective before full; a pipelined layout that
-    fits is tried balanced too (balance_pipeline).
+    is tried only when no layout fits without it, selective before full, and offloading only when
+    none fits even so (memory_levers); a pipelined layout that fits is tried balanced too
+    (balance_pipeline).
 
     Candidates are taken in order of a time no step of theirs can beat (step_time_bound), and the
     search stops at the first whose bound does not beat the `top`-th best prediction: it returns
@@ -211,25 +216,63 @@ def search(model: ModelConfig, gpus: int, cluster: Cluster, curves: KernelCurves
                                    layers_of=steps.layers_of)
         return memory(ranks=range(1)).total <= capacity and memory().total <= capacity
 
-    for recompute in space.recompute or RECOMPUTE:
+    for levers in memory_levers(model, space):
         best: list[Prediction] = []
-        for bound, _, layout in bounded:
+        for bound, _, candidate in bounded:
             if len(best) == top and bound >= best[-1].step_time:
                 break
-            layout = replace(layout, recompute=recompute)
-            if not fits(layout):
-                continue
-            variants = [layout]
-            if balance and layout.pp > 1:
-                balanced = balance_pipeline(steps, layout)
-                if balanced != layout and _runs(model, balanced, global_batch_size, seq_length) and fits(balanced):
-                    variants.append(balanced)
-            predictions = [predict(model, variant, cluster, curves, global_batch_size, seq_length, causal_flops,
-                                   steps=steps) for variant in variants]
-            best = sorted(best + predictions, key=lambda p: p.step_time)[:top]
+            for recompute, optimizer_offload, modules in levers:
+                layout = with_levers(candidate, recompute, optimizer_offload, modules)
+                offloads = optimizer_offload or bool(modules)
+                if offloads and not _runs(model, layout, global_batch_size, seq_length) or not fits(layout):
+                    continue
+                variants = [layout]
+                if balance and layout.pp > 1:
+                    balanced = balance_pipeline(steps, layout)
+                    if balanced != layout and _runs(model, balanced, global_batch_size, seq_length) and fits(balanced):
+                        variants.append(balanced)
+                predictions = [predict(model, variant, cluster, curves, global_batch_size, seq_length, causal_flops,
+                                       steps=steps) for variant in variants]
+                best = sorted(best + predictions, key=lambda p: p.step_time)[:top]
         if best:
             return best
     return []
+
+
+def memory_levers(model: ModelConfig, space: SearchSpace) -> list[list[tuple[str, bool, tuple[str, ...]]]]:
+    """Rounds of (recompute, optimizer offload, offloaded modules), each tried only when nothing fit
+    in the rounds before, its settings competing on predicted time: no recomputation, then
+    selective, then full, all without offloading; then every combination with offloading, whose
+    cost (the host link) may beat recomputation's or not (tessera.perf.offload). What the space
+    holds fixed is held in every round."""
+    recomputes = space.recompute or RECOMPUTE
+    optimizer = (space.optimizer_cpu_offload,) if space.optimizer_cpu_offload is not None else (False,)
+    modules = (space.offload_modules,) if space.offload_modules is not None else ((),)
+    rounds = [[(recompute, optimizer[0], modules[0])] for recompute in recomputes]
+    if space.optimizer_cpu_offload is None or space.offload_modules is None:
+        offloads = [(recompute, opt, chosen) for recompute in recomputes
+                    for opt in (optimizer if space.optimizer_cpu_offload is not None else (False, True))
+                    for chosen in (modules if space.offload_modules is not None else
+                                   ((), default_offload_modules(model, recompute)))
+                    if (opt or chosen) and not (chosen and recompute == "full")]
+        rounds.append([setting for setting in offloads if setting not in [r[0] for r in rounds]])
+    return [levers for levers in rounds if levers]
+
+
+def default_offload_modules(model: ModelConfig, recompute: str) -> tuple[str, ...]:
+    """What the planner offloads: the attention's core and projection input (Megatron-LM's advice,
+    docs/user-guide/features/fine_grained_activation_offloading.md), the dense MLP's, the routed
+    experts'; not the core under selective recompute, which recomputes it."""
+    core = () if recompute == "selective" else ("core_attn",)
+    return core + ("attn_proj", "mlp") + (("expert_fc1",) if model.num_experts else ())
+
+
+def with_levers(layout: Layout, recompute: str, optimizer_offload: bool, modules: tuple[str, ...]) -> Layout:
+    """The layout with these memory settings: optimizer offload with the distributed optimizer (one
+    GPU too), activation offload in uncompiled blocks (its hooks need module boundaries)."""
+    return replace(layout, recompute=recompute, optimizer_cpu_offload=optimizer_offload, offload_modules=modules,
+                   distributed_optimizer=layout.distributed_optimizer or (optimizer_offload and not layout.fsdp),
+                   compiled=layout.compiled and not modules)
 
 
 def step_time_bound(steps: StepModel, layout: Layout, global_batch_size: int) -> float:

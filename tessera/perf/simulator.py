@@ -45,8 +45,10 @@ from tessera.perf.flops import _core_attention_width, flops_per_iteration
 from tessera.perf.fp8 import fp8_gemm
 from tessera.perf.kernels import KernelCurves
 from tessera.perf.layout import Layout
-from tessera.perf.memory import MemoryBreakdown, ModelLayers, StageParameters, estimate_memory, stage_parameters
+from tessera.perf.memory import (MemoryBreakdown, ModelLayers, StageParameters, estimate_memory, residual_bytes,
+                                 stage_parameters)
 from tessera.perf.moe import add_routed_experts
+from tessera.perf.offload import exposed_activation_copies, link_bytes_per_s, offloaded_activation_bytes
 
 # Bytes a parameter costs in the optimizer step: Adam reads fp32 param, grad, m, v (16),
 # writes param, m, v (12) and the bf16 copy (2); the grad-norm reads the grad again (4).
@@ -367,9 +369,24 @@ def predict(model: ModelConfig, layout: Layout, cluster: Cluster, curves: Kernel
     _data_parallel(step, steps, layout, params, rank_layers[slowest], fwd.total, bwd.total, micro_batches)
 
     memory = estimate_memory(model, layout, global_batch_size, seq_length, vocab, steps.layers_of)
+    _offload(step, steps, layout, layout.rank_layers(model.num_layers)[slowest], fwd.total, bwd.total, micro_batches,
+             memory.host)
     model_flops = flops_per_iteration(model, global_batch_size, seq_length, vocab, causal=causal_flops)
     return Prediction(layout, step.total, step.times, memory, model_flops, layout.gpus, steps.peak,
                       global_batch_size * seq_length)
+
+
+def _offload(step: Phase, steps: StepModel, layout: Layout, layers: list[int], fwd_time: float, bwd_time: float,
+             micro_batches: int, host_state: float) -> None:
+    """The host link's share of the step (tessera.perf.offload): each micro-batch's activation
+    copies where they outlast its passes, and the offloaded optimizer state up and down."""
+    link = link_bytes_per_s(steps.cluster.gpu)
+    if layout.offload_modules:
+        residual, moe = residual_bytes(layout), steps.layers_of.moe
+        offloaded = sum(offloaded_activation_bytes(steps.model, layout, steps.seq, residual, moe[i]) for i in layers)
+        step.add("offload", micro_batches * exposed_activation_copies(offloaded, fwd_time, bwd_time, link))
+    if host_state:
+        step.add("offload", host_state / link)
 
 
 def _rank_layer_passes(steps: StepModel, layout: Layout) -> list[list[tuple[Phase, Phase]]]:
