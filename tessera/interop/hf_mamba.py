@@ -1,5 +1,7 @@
 """Hugging Face Mamba-2 (`Mamba2ForCausalLM`) <-> tessera: a hybrid stack of Mamba-2 layers only
-(--hybrid-layer-pattern "MMM..."), the config fields and the tensors.
+(--hybrid-layer-pattern "MMM..."), the config fields and the tensors. Nemotron-H
+(`NemotronHForCausalLM`) shares the backbone's tensor names, mixer included: its config and its
+attention, MLP and MoE layers are tessera.interop.hf_nemotron_h's.
 
     num_heads, head_dim, state_size, n_groups       --mamba-num-heads, --mamba-head-dim,
                                                     --mamba-state-dim, --mamba-num-groups
@@ -35,10 +37,15 @@ _MIXER = {"in_proj.weight": "in_proj.weight", "in_proj.bias": "in_proj.bias", "c
           "conv1d.bias": "conv_bias", "dt_bias": "dt_bias", "A_log": "A_log", "D": "D",
           "norm.weight": "norm_weight", "out_proj.weight": "out_proj.weight", "out_proj.bias": "out_proj.bias"}
 _SEQ_LENGTH = 4096   # Mamba-2 has no position table; a training length to start from
+_BACKBONE, _IN_MEMORY = "backbone.", "model."
 
 
 def model_config_from_hf(hf: dict[str, Any], vocab_multiple: int) -> ModelConfig:
-    _refuse_what_tessera_computes_differently(hf)
+    if hf["model_type"] == "nemotron_h":
+        from tessera.interop import hf_nemotron_h   # it builds on this module
+
+        return hf_nemotron_h.model_config_from_hf(hf, vocab_multiple)
+    refuse_mixer_differences(hf)
     hidden, heads, head_dim = hf["hidden_size"], hf["num_heads"], hf["head_dim"]
     if hf.get("expand", 2) * hidden != heads * head_dim:
         raise UnsupportedModel(f"expand x hidden_size ({hf.get('expand', 2)} x {hidden}) must equal num_heads x "
@@ -55,14 +62,15 @@ def model_config_from_hf(hf: dict[str, Any], vocab_multiple: int) -> ModelConfig
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=hf.get("initializer_range", 0.02))
 
 
-def _refuse_what_tessera_computes_differently(hf: dict[str, Any]) -> None:
+def refuse_mixer_differences(hf: dict[str, Any], activation: str = "hidden_act") -> None:
+    """One line naming the config field (`activation` the mixer's) whose mixer tessera's would not compute."""
     if hf.get("conv_kernel", CONV_KERNEL) != CONV_KERNEL:
         raise UnsupportedModel(f"conv_kernel {hf['conv_kernel']} is not supported (tessera's conv is "
                                f"{CONV_KERNEL} wide)")
     if not hf.get("use_conv_bias", True):
         raise UnsupportedModel("use_conv_bias false is not supported (tessera's conv has a bias)")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise UnsupportedModel(f"hidden_act '{hf['hidden_act']}' is not supported (the mixer uses silu)")
+    if hf.get(activation, "silu") != "silu":
+        raise UnsupportedModel(f"{activation} '{hf[activation]}' is not supported (the mixer uses silu)")
     # transformers writes infinity into config.json as {"__float__": "Infinity"}
     limit = [float(v["__float__"] if isinstance(v, dict) else v)
              for v in hf.get("time_step_limit") or (0.0, float("inf"))]
@@ -71,19 +79,26 @@ def _refuse_what_tessera_computes_differently(hf: dict[str, Any]) -> None:
 
 
 def family_of(model: ModelConfig) -> str:
-    """mamba2 for a stack of Mamba-2 layers only; else one line naming what no family has."""
+    """mamba2 for a stack of Mamba-2 layers only, nemotron_h with other layers beside them; else one
+    line naming what no family has."""
     symbols = set(layer_symbols(model.hybrid_layer_pattern))
     if symbols != {MAMBA}:
-        raise UnsupportedModel(f"--hybrid-layer-pattern {model.hybrid_layer_pattern!r} has no Hugging Face "
-                               "equivalent among the families tessera converts (Mamba2ForCausalLM has M layers "
-                               "only; NemotronH is not converted yet)")
+        from tessera.interop import hf_nemotron_h
+
+        return hf_nemotron_h.family_of(model)
     if model.normalization != "RMSNorm":
         raise UnsupportedModel("--normalization LayerNorm has no Hugging Face equivalent: Mamba-2 uses RMSNorm")
     return "mamba2"
 
 
 def write_fields(hf: dict[str, Any], model: ModelConfig, family: str) -> None:
-    """The Mamba2Config fields of `model` into `hf` (which holds the imported config's, if any)."""
+    """The Mamba2Config (or NemotronHConfig) fields of `model` into `hf` (which holds the imported
+    config's, if any)."""
+    if family == "nemotron_h":
+        from tessera.interop import hf_nemotron_h
+
+        hf_nemotron_h.write_fields(hf, model)
+        return
     hf.update(architectures=[MAMBA_FAMILIES[family]], model_type=family, num_hidden_layers=model.num_layers,
               hidden_size=model.hidden_size, num_heads=model.mamba_num_heads, head_dim=model.mamba_head_dim,
               expand=model.mamba_num_heads * model.mamba_head_dim // model.hidden_size,
@@ -94,14 +109,15 @@ def write_fields(hf: dict[str, Any], model: ModelConfig, family: str) -> None:
 
 
 def state_from_hf(hf: dict[str, torch.Tensor], model: ModelConfig, pad_rows) -> dict[str, torch.Tensor]:
+    hf = {_BACKBONE + name.removeprefix(_IN_MEMORY) if name.startswith(_IN_MEMORY) else name: tensor
+          for name, tensor in hf.items()}   # transformers' NemotronH names its backbone `model.` in memory
     vocab = model.padded_vocab_size()
     out = {"embedding.weight": pad_rows(hf["backbone.embeddings.weight"], vocab),
            "final_norm.weight": hf["backbone.norm_f.weight"]}
-    for i in range(model.num_layers):
+    for i, symbol in enumerate(layer_symbols(model.hybrid_layer_pattern)):
         src, dst = f"backbone.layers.{i}.", f"layers.{i}."
         out[dst + "input_norm.weight"] = hf[src + "norm.weight"]
-        out.update({f"{dst}mixer.{name}": hf[f"{src}mixer.{hf_name}"] for hf_name, name in _MIXER.items()
-                    if f"{src}mixer.{hf_name}" in hf})
+        out.update(_layer_mapping(symbol)[0](hf, src + "mixer.", dst, symbol, model))
     if model.untie_embeddings_and_output_weights:
         out["output_weight"] = pad_rows(hf["lm_head.weight"], vocab)
     return out
@@ -111,11 +127,28 @@ def state_to_hf(state: dict[str, torch.Tensor], model: ModelConfig) -> dict[str,
     vocab = model.vocab_size
     out = {"backbone.embeddings.weight": state["embedding.weight"][:vocab],
            "backbone.norm_f.weight": state["final_norm.weight"]}
-    for i in range(model.num_layers):
+    for i, symbol in enumerate(layer_symbols(model.hybrid_layer_pattern)):
         src, dst = f"layers.{i}.", f"backbone.layers.{i}."
         out[dst + "norm.weight"] = state[src + "input_norm.weight"]
-        out.update({f"{dst}mixer.{hf_name}": state[f"{src}mixer.{name}"] for hf_name, name in _MIXER.items()
-                    if f"{src}mixer.{name}" in state})
+        out.update(_layer_mapping(symbol)[1](state, src, dst + "mixer.", symbol, model))
     if model.untie_embeddings_and_output_weights:
         out["lm_head.weight"] = state["output_weight"][:vocab]
     return out
+
+
+def _layer_mapping(symbol: str):
+    """(from HF, to HF) of a layer's body: the Mamba-2 mixer's here, Nemotron-H's other layers there."""
+    if symbol == MAMBA:
+        return _mixer_from_hf, _mixer_to_hf
+    from tessera.interop import hf_nemotron_h
+
+    return hf_nemotron_h.layer_from_hf, hf_nemotron_h.layer_to_hf
+
+
+def _mixer_from_hf(hf: dict[str, torch.Tensor], src: str, dst: str, symbol: str, model: ModelConfig) -> dict:
+    return {f"{dst}mixer.{name}": hf[src + hf_name] for hf_name, name in _MIXER.items() if src + hf_name in hf}
+
+
+def _mixer_to_hf(state: dict[str, torch.Tensor], src: str, dst: str, symbol: str, model: ModelConfig) -> dict:
+    return {dst + hf_name: state[f"{src}mixer.{name}"] for hf_name, name in _MIXER.items()
+            if f"{src}mixer.{name}" in state}

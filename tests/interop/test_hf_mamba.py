@@ -64,8 +64,10 @@ def test_what_tessera_computes_differently_is_refused(field, value):
 
 def test_a_pattern_with_other_layers_has_no_mamba2_export():
     model = ModelConfig(hybrid_layer_pattern="M*-", hidden_size=32, num_attention_heads=4, seq_length=16,
-                        mamba_head_dim=8, mamba_num_groups=2, vocab_size=VOCAB, normalization="RMSNorm")
-    with pytest.raises(UnsupportedModel, match="Mamba2ForCausalLM has M layers only"):
+                        mamba_head_dim=8, mamba_num_groups=2, vocab_size=VOCAB, normalization="RMSNorm",
+                        position_embedding_type="none", squared_relu=True, disable_bias_linear=True,
+                        untie_embeddings_and_output_weights=True)
+    with pytest.raises(UnsupportedModel, match="a nemotron_h model, not mamba2"):
         hf_config_from_model(model, "mamba2")
 
 
