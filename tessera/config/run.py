@@ -173,6 +173,8 @@ class RunConfig:
                     "(one GPU too: it keeps the fp32 masters apart from the weights)")
             require(optimizer == "adam", f"--optimizer-cpu-offload offloads AdamW's state: it does not combine with "
                     f"--optimizer {optimizer}")
+            require(self.train.cuda_graph_impl == "none", "--optimizer-cpu-offload does not combine with "
+                    "--cuda-graph-impl (its first copies start inside the captured backward)")
         if optimizer != "muon":
             return
         # Newton-Schulz needs whole matrices: FSDP2 cuts every one over the data-parallel ranks.

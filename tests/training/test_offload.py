@@ -74,6 +74,8 @@ def test_a_checkpoint_loads_with_or_without_offload(tmp_path, save_with, load_wi
 @pytest.mark.parametrize("flags, message", [
     (OFFLOAD, "--optimizer-cpu-offload needs --use-distributed-optimizer"),
     (["--use-distributed-optimizer", *OFFLOAD, "--optimizer", "muon"], "does not combine with --optimizer muon"),
+    (["--use-distributed-optimizer", *OFFLOAD, "--cuda-graph-impl", "full_iteration"],
+     "--optimizer-cpu-offload does not combine with --cuda-graph-impl"),
     (["--optimizer-offload-fraction", "1.5"], "--optimizer-offload-fraction must be in [0, 1]"),
 ])
 def test_flags_that_cannot_combine_are_named(flags, message, capsys):

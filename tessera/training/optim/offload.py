@@ -104,13 +104,11 @@ class OptimizerOffload:
         optimizer, grads = self.optimizer, self.optimizer.grads
         self._step_on({key: grad for key, grad in grads.items() if key not in self.offloaded})
         downs: deque = deque()
-        up = self._early.pop(0, None) or (self._upload(self.chunks[0]) if self.chunks else None)
+        up = self._brought_up(0) if self.chunks else None
         for index, chunk in enumerate(self.chunks):
             if len(downs) == IN_FLIGHT - 1:   # bound the device copies: wait for an older chunk's way down
                 downs.popleft().synchronize()
-            following = None
-            if index + 1 < len(self.chunks):
-                following = self._early.pop(index + 1, None) or self._upload(self.chunks[index + 1])
+            following = self._brought_up(index + 1) if index + 1 < len(self.chunks) else None
             self.copies.compute_waits_for_upload()
             self._step_on({key: grads[key] for key in chunk if key in grads})
             downs.append(self._download(chunk, up))
@@ -118,6 +116,11 @@ class OptimizerOffload:
         for event in downs:
             event.synchronize()
         optimizer.grads = grads
+
+    def _brought_up(self, index: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Chunk `index` on its way up: prefetched, or now (an empty list is a chunk with nothing to bring)."""
+        early = self._early.pop(index, None)
+        return early if early is not None else self._upload(self.chunks[index])
 
     def _step_on(self, grads: dict[torch.Tensor, torch.Tensor]) -> None:
         """Step these masters only (never none: MasterAdamW's CPU path then copies every master)."""
