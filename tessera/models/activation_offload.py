@@ -44,6 +44,7 @@ from torch import nn
 
 from tessera.config import ConfigError
 
+
 def _regions(block: nn.Module, names: set[str]) -> list[tuple[nn.Module, bool]]:
     """(module, offloaded) of one block: the chosen modules, and inside a chosen attention the
     projections and norms that keep their own tensors unless chosen too."""
