@@ -1,13 +1,13 @@
-"""The hybrid part of ModelConfig: Megatron-Core's layer pattern (--hybrid-layer-pattern) and the
-Mamba-2 mixer's shape (--mamba-*), checked once at construction.
+"""The hybrid part of ModelConfig: Megatron-Core's layer pattern (--hybrid-layer-pattern), the
+Mamba-2 mixer's shape (--mamba-*) and the Gated DeltaNet's (--linear-*), checked once at construction.
 
 The pattern has one character per layer (megatron/core/models/hybrid/hybrid_layer_allocation.py,
-`Symbols`): `M` a Mamba-2 mixer, `*` self-attention, `-` an MLP, `E` a Mixture of Experts, each
+`Symbols`): `M` a Mamba-2 mixer, `G` a Gated DeltaNet, `*` self-attention, `-` an MLP, `E` a Mixture of Experts, each
 with its own pre-norm and residual. Its length is the number of layers (--num-layers is set
 from it). `|` places pipeline-stage boundaries: the segments it cuts are the virtual pipeline
 stages in Megatron's order (segment c * PP + r is chunk c of pipeline rank r), so their number
 must be a multiple of --pipeline-model-parallel-size. Megatron's other symbols are refused in
-one line: `G` (Gated DeltaNet), `D` (DeepSeek sparse attention), `+` (MLA) and `/` (MTP depths).
+one line: `D` (DeepSeek sparse attention), `+` (MLA) and `/` (MTP depths).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from tessera.config.fields import flag, positive, require
 if TYPE_CHECKING:
     from tessera.config.model import ModelConfig
 
-MAMBA, ATTENTION, MLP, MOE, PIPE = "M", "*", "-", "E", "|"
-LAYER_SYMBOLS = (MAMBA, ATTENTION, MLP, MOE)
-_NOT_YET = {"G": "G (Gated DeltaNet) is not supported yet", "D": "D (DeepSeek sparse attention) is not supported",
+MAMBA, GATED_DELTANET, ATTENTION, MLP, MOE, PIPE = "M", "G", "*", "-", "E", "|"
+LAYER_SYMBOLS = (MAMBA, GATED_DELTANET, ATTENTION, MLP, MOE)
+_NOT_YET = {"D": "D (DeepSeek sparse attention) is not supported",
             "+": "+ (MLA) is not supported in a hybrid pattern", "/": "/ (MTP depths) is not supported yet"}
 
 
@@ -57,16 +57,21 @@ def apply_pattern(config: "ModelConfig") -> None:
         require(symbol not in pattern, f"--hybrid-layer-pattern {pattern!r}: {reason}")
     unknown = sorted(set(pattern) - set(LAYER_SYMBOLS) - {PIPE})
     require(not unknown, f"--hybrid-layer-pattern {pattern!r}: unknown symbol(s) {' '.join(unknown)}; use "
-                         "M (Mamba-2), * (attention), - (MLP), E (MoE) and | (pipeline boundary)")
+                         "M (Mamba-2), G (Gated DeltaNet), * (attention), - (MLP), E (MoE) and | (pipeline boundary)")
     symbols = layer_symbols(pattern)
     require(symbols, "--hybrid-layer-pattern needs at least one layer")
     config.num_layers = len(symbols)
 
 
 def check_hybrid(config: "ModelConfig") -> None:
-    """The layers' kinds against the other flags, and the Mamba-2 shape; sets mamba_num_heads's
-    default (2 x hidden / head dim: Megatron's expand of 2)."""
-    positive(config, "mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads")
+    """The layers' kinds against the other flags, and the Mamba-2 and Gated DeltaNet shapes; sets
+    mamba_num_heads's default (2 x hidden / head dim: Megatron's expand of 2)."""
+    positive(config, "mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads",
+             "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+             "linear_conv_kernel_dim")
+    require(config.linear_num_value_heads % config.linear_num_key_heads == 0,
+            f"--linear-num-value-heads ({config.linear_num_value_heads}) must be a multiple of "
+            f"--linear-num-key-heads ({config.linear_num_key_heads})")
     if config.hybrid_layer_pattern is None:
         return
     symbols = layer_symbols(config.hybrid_layer_pattern)
@@ -76,6 +81,8 @@ def check_hybrid(config: "ModelConfig") -> None:
     require(config.moe_layer_freq == "1", "--moe-layer-freq does not apply with --hybrid-layer-pattern (E marks "
                                           "the MoE layers)")
     require(not config.mtp_num_layers, "--mtp-num-layers with --hybrid-layer-pattern is not supported yet")
+    if MAMBA not in symbols:
+        return
     if config.mamba_num_heads is None:
         require(2 * config.hidden_size % config.mamba_head_dim == 0,
                 f"2 x --hidden-size ({config.hidden_size}) must be divisible by --mamba-head-dim "
@@ -87,11 +94,16 @@ def check_hybrid(config: "ModelConfig") -> None:
 
 
 def check_hybrid_layout(config: "ModelConfig", *, tp: int, cp: int) -> None:
-    """What tensor and context parallelism ask of the Mamba-2 layers (Megatron's MambaMixer asserts)."""
-    if config.hybrid_layer_pattern is None or MAMBA not in config.hybrid_layer_pattern:
-        return
-    for name in ("mamba_num_heads", "mamba_num_groups"):
-        require(getattr(config, name) % tp == 0, f"{flag(name)} ({getattr(config, name)}) must be divisible by "
-                                                 f"--tensor-model-parallel-size ({tp})")
-    require(cp == 1, "--context-parallel-size > 1 with Mamba layers (M in --hybrid-layer-pattern) is not supported "
-                     "yet: the scan would need the state passed between context-parallel ranks")
+    """What tensor and context parallelism ask of the Mamba-2 and Gated DeltaNet layers (Megatron's
+    MambaMixer and GatedDeltaNet asserts)."""
+    pattern = config.hybrid_layer_pattern or ""
+    mixers = {MAMBA: ("mamba_num_heads", "mamba_num_groups", "Mamba", "the scan"),
+              GATED_DELTANET: ("linear_num_key_heads", "linear_num_value_heads", "Gated DeltaNet", "the delta rule")}
+    for symbol, (*names, layers, recurrence) in mixers.items():
+        if symbol not in pattern:
+            continue
+        for name in names:
+            require(getattr(config, name) % tp == 0, f"{flag(name)} ({getattr(config, name)}) must be divisible by "
+                                                     f"--tensor-model-parallel-size ({tp})")
+        require(cp == 1, f"--context-parallel-size > 1 with {layers} layers ({symbol} in --hybrid-layer-pattern) is "
+                         f"not supported yet: {recurrence} would need the state passed between context-parallel ranks")

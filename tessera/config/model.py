@@ -18,7 +18,7 @@ MLA = "multi-latent attention"
 ROPE_SCALING = "RoPE scaling"
 MTP = "multi-token prediction"
 WINDOWS = "attention sinks and sliding windows"
-HYBRID = "hybrid layer pattern and Mamba-2"
+HYBRID = "hybrid layer pattern, Mamba-2 and Gated DeltaNet"
 
 @dataclass
 class ModelConfig:
@@ -41,6 +41,9 @@ class ModelConfig:
     rotary_percent: float = option(1.0, "fraction of each head dimension that RoPE rotates")
     normalization: str = option("LayerNorm", "normalization layer", ("LayerNorm", "RMSNorm"))
     norm_epsilon: float = option(1e-5, "epsilon of the normalization layers")
+    layernorm_zero_centered_gamma: bool = option(
+        False, "norm weights centred on zero: the norms scale by 1 + weight (Qwen3-Next's checkpoints; Megatron's "
+        "--apply-layernorm-1p trains the same model)")
     swiglu: bool = option(False, "gated SiLU MLP (LLaMA) instead of GeLU")
     openai_gelu: bool = option(False, "tanh approximation of GeLU (GPT-2's gelu_new) instead of the exact erf form")
     squared_relu: bool = option(False, "squared ReLU MLP, relu(x)^2 (Nemotron-H), instead of GeLU")
@@ -56,6 +59,8 @@ class ModelConfig:
     init_method_std: float = option(0.02, "std of the normal initialisation (output projections are scaled by 1/sqrt(2*layers))")
     qk_layernorm: bool = option(False, "RMSNorm/LayerNorm on each head's query and key before RoPE (Qwen3); "
                                 "with --multi-latent-attention, on the query and key/value latents (DeepSeek)")
+    attention_output_gate: bool = option(False, "gate each attention head's output by sigmoid of a projection of "
+                                         "the layer's input, per channel (Qwen3-Next)")
 
     # Multi-latent attention (DeepSeek-V2/V3; Megatron-Core's flags; tessera.models.mla).
     multi_latent_attention: bool = option(
@@ -156,7 +161,8 @@ class ModelConfig:
 
     # Hybrid stacks (Megatron-Core's HybridModel flags; tessera.config.hybrid, tessera.models.hybrid).
     hybrid_layer_pattern: str | None = option(
-        None, "one symbol per layer: M Mamba-2, * attention, - MLP, E MoE; | marks pipeline-stage boundaries; "
+        None, "one symbol per layer: M Mamba-2, G Gated DeltaNet, * attention, - MLP, E MoE; | marks pipeline-stage "
+        "boundaries; "
         "sets --num-layers", group=HYBRID)
     hybrid_override_pattern: str | None = option(None, "deprecated spelling of --hybrid-layer-pattern", group=HYBRID)
     mamba_state_dim: int = option(128, "Mamba-2: SSM state size per head (N)", group=HYBRID)
@@ -164,12 +170,21 @@ class ModelConfig:
     mamba_num_groups: int = option(8, "Mamba-2: groups of heads sharing B and C", group=HYBRID)
     mamba_num_heads: int | None = option(None, "Mamba-2: SSM heads (default 2 x hidden / --mamba-head-dim)",
                                          group=HYBRID)
+    linear_num_key_heads: int = option(16, "Gated DeltaNet: query and key heads", group=HYBRID)
+    linear_num_value_heads: int = option(32, "Gated DeltaNet: value and output-gate heads, a multiple of the key "
+                                         "heads", group=HYBRID)
+    linear_key_head_dim: int = option(128, "Gated DeltaNet: channels per query and key head", group=HYBRID)
+    linear_value_head_dim: int = option(128, "Gated DeltaNet: channels per value head", group=HYBRID)
+    linear_conv_kernel_dim: int = option(4, "Gated DeltaNet: width of the causal convolution on q, k and v",
+                                         group=HYBRID)
 
     def __post_init__(self) -> None:
         apply_pattern(self)   # the pattern sets the layer count
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
             require(getattr(self, name) is not None, f"{flag(name)} is required (or pick --model PRESET)")
         check_mla(self)   # before the key/value groups get their default
+        require(not (self.attention_output_gate and self.multi_latent_attention),
+                "--attention-output-gate does not apply to --multi-latent-attention")
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = (
                 int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.gated_linear_unit else 4 * self.hidden_size

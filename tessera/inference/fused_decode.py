@@ -48,6 +48,7 @@ def computes_the_same_layers(model: GPTModel) -> bool:
         attention, mlp = block.attention, block.mlp
         if not (type(attention) is Attention and type(mlp) is MLP and mlp.swiglu
                 and attention.q_norm is None and attention.sinks is None and attention.window is None
+                and not attention.gate_width
                 and attention.qkv.bias is None and attention.proj.bias is None
                 and mlp.fc1.bias is None and mlp.fc2.bias is None and rotary_dim <= attention.head_dim
                 and not _adapted(attention.qkv, attention.proj, mlp.fc1, mlp.fc2)

@@ -10,6 +10,7 @@ GPT-2 stores linear weights as Conv1D ([in, out]); tessera as nn.Linear ([out, i
 MoE experts (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek) are stacked per layer, fc1 [E, 2I, H]
 and fc2 [E, H, I]: import reads the per-expert files of every checkpoint and transformers 5's
 fused in-memory layout alike; export writes the per-expert layout transformers writes.
+Qwen3-Next's hybrid layers (Gated DeltaNet, gated attention) map in tessera.interop.hf_qwen3_next.
 DeepSeek's multi-latent attention maps in tessera.interop.hf_deepseek; its expert bias
 (e_score_correction_bias, kept fp32 as transformers keeps it) is the router's, and its
 multi-token prediction layers (model.layers.{num_hidden_layers + d - 1}, which transformers'
@@ -31,7 +32,7 @@ from pathlib import Path
 import torch
 
 from tessera.config import ConfigError, ModelConfig
-from tessera.interop import hf_deepseek, hf_gpt_oss, hf_mamba
+from tessera.interop import hf_deepseek, hf_gpt_oss, hf_mamba, hf_qwen3_next
 from tessera.interop.hf_config import (
     MAMBA_FAMILIES, UnsupportedModel, hf_config_from_model, infer_family, model_config_from_hf,
 )
@@ -46,10 +47,11 @@ _GPT2_LINEARS = (("attn.c_attn", "attention.qkv"), ("attn.c_proj", "attention.pr
 # transformers 5 fuses the experts in memory (mlp.experts.gate_up_proj [E, 2I, H] = [gate; up],
 # mlp.experts.down_proj [E, H, I]) and writes these names back unless save_original_format=False.
 _EXPERT_NAMES = {"mixtral": ("block_sparse_moe.", "w1", "w3", "w2"),
-                 **dict.fromkeys(("qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "kimi_k2"),
+                 **dict.fromkeys(("qwen2_moe", "qwen3_moe", "qwen3_next", "deepseek_v2", "deepseek_v3",
+                                  "kimi_k2"),
                                  ("mlp.", "gate_proj", "up_proj", "down_proj"))}
-# The shared expert's module in each family that has one (Qwen2-MoE's is gated).
-_SHARED_EXPERTS = {"qwen2_moe": "mlp.shared_expert.",
+# The shared expert's module in each family that has one (Qwen2-MoE's and Qwen3-Next's are gated).
+_SHARED_EXPERTS = {"qwen2_moe": "mlp.shared_expert.", "qwen3_next": "mlp.shared_expert.",
                    **dict.fromkeys(("deepseek_v2", "deepseek_v3", "kimi_k2"), "mlp.shared_experts.")}
 _EXPERT_BIAS = "gate.e_score_correction_bias"
 
@@ -121,6 +123,8 @@ def tessera_state_from_hf(hf_config: dict, hf: dict[str, torch.Tensor], model: M
     out: dict[str, torch.Tensor] = {}
     if hf_config["model_type"] in MAMBA_FAMILIES:
         out = hf_mamba.state_from_hf(hf, model, _pad_rows)
+    elif hf_config["model_type"] == hf_qwen3_next.FAMILY:
+        out = hf_qwen3_next.state_from_hf(hf, model, _pad_rows, _swiglu_from_hf, _moe_from_hf)
     elif hf_config["model_type"] == "gpt2":
         hf = {name.removeprefix("transformer."): t for name, t in hf.items()}
         out["embedding.weight"] = _pad_rows(hf["wte.weight"], vocab)
@@ -154,6 +158,8 @@ def hf_state_from_tessera(state: dict[str, torch.Tensor], model: ModelConfig, fa
     out: dict[str, torch.Tensor] = {}
     if family in MAMBA_FAMILIES:
         out = hf_mamba.state_to_hf(state, model)
+    elif family == hf_qwen3_next.FAMILY:
+        out = hf_qwen3_next.state_to_hf(state, model, _swiglu_to_hf, _moe_to_hf)
     elif family == "gpt2":
         out["transformer.wte.weight"] = state["embedding.weight"][:vocab]
         out["transformer.wpe.weight"] = state["position_embedding.weight"]

@@ -5,7 +5,8 @@ and three Mixture-of-Experts families: Mixtral, Qwen2-MoE (also Qwen1.5-MoE: QKV
 sigmoid-gated shared expert) and Qwen3-MoE (per-head QK norm); DeepSeek-V2 and -V3 (and
 Kimi-K2's checkpoints, DeepSeek-V3's code) with multi-latent attention, their fields in
 tessera.interop.hf_deepseek; Mamba-2 (a hybrid stack of M layers), in
-tessera.interop.hf_mamba; GPT-OSS (attention sinks, sliding windows, biased experts) in
+tessera.interop.hf_mamba; Qwen3-Next (Gated DeltaNet and gated attention) in
+tessera.interop.hf_qwen3_next; GPT-OSS (attention sinks, sliding windows, biased experts) in
 tessera.interop.hf_gpt_oss. Anything the tessera model would compute differently (a RoPE
 scaling other than llama3 or yarn, a sliding window, biases tessera has no place for, another
 activation, router jitter) is refused with a message naming the HF field, rather than converted
@@ -40,10 +41,9 @@ MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 # Multi-latent attention families (tessera.interop.hf_deepseek): model_type -> architecture
 DEEPSEEK_FAMILIES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                      "kimi_k2": "DeepseekV3ForCausalLM"}
-# Hybrid stacks with Mamba-2 layers (tessera.interop.hf_mamba; Nemotron-H's other layers in
-# tessera.interop.hf_nemotron_h): model_type -> architecture
-MAMBA_FAMILIES = {"mamba2": "Mamba2ForCausalLM", "nemotron_h": "NemotronHForCausalLM"}
-FAMILIES = (*LLAMA_LIKE, *DEEPSEEK_FAMILIES, *MAMBA_FAMILIES, "gpt_oss", "gpt2")
+# Hybrid stacks of Mamba-2 layers (tessera.interop.hf_mamba): model_type -> architecture
+MAMBA_FAMILIES = {"mamba2": "Mamba2ForCausalLM"}
+FAMILIES = (*LLAMA_LIKE, *DEEPSEEK_FAMILIES, *MAMBA_FAMILIES, "qwen3_next", "gpt_oss", "gpt2")
 _GPT2_ACTIVATIONS = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu": False}  # -> openai_gelu
 _QKV_BIAS = ("qwen2", "qwen2_moe")
 # Families whose sliding window is off unless use_sliding_window says otherwise.
@@ -157,6 +157,10 @@ def model_config_from_hf(hf: dict[str, Any], *, vocab_multiple: int = 128) -> Mo
         from tessera.interop import hf_mamba   # it builds on this module
 
         return hf_mamba.model_config_from_hf(hf, vocab_multiple)
+    if family == "qwen3_next":
+        from tessera.interop import hf_qwen3_next   # it builds on this module
+
+        return hf_qwen3_next.model_config_from_hf(hf, vocab_multiple)
     if family == "gpt_oss":
         from tessera.interop import hf_gpt_oss   # it builds on this module
 
@@ -282,8 +286,10 @@ def infer_family(model: ModelConfig) -> str:
     """The HF family that computes what this tessera config computes; else one line naming the
     feature that none of them has."""
     if model.hybrid_layer_pattern is not None:
-        from tessera.interop import hf_mamba
+        from tessera.interop import hf_mamba, hf_qwen3_next
 
+        if "G" in model.hybrid_layer_pattern:   # Gated DeltaNet layers
+            return hf_qwen3_next.family_of(model)
         return hf_mamba.family_of(model)
     if model.multi_latent_attention:
         from tessera.interop import hf_deepseek
@@ -364,6 +370,10 @@ def hf_config_from_model(model: ModelConfig, family: str, base: dict[str, Any] |
         from tessera.interop import hf_mamba
 
         hf_mamba.write_fields(hf, model, family)
+    elif family == "qwen3_next":
+        from tessera.interop import hf_qwen3_next
+
+        hf_qwen3_next.write_fields(hf, model, float(sum(aux_loss_coefficients(model).values())))
     elif family == "gpt2":
         hf.update(
             architectures=["GPT2LMHeadModel"], model_type="gpt2", n_layer=model.num_layers,

@@ -8,7 +8,9 @@ holds a layer's view of the paged KV cache (tessera.inference.paged_attention.La
 whose `attend` stores k and v and attends over the cached context. Under context
 parallelism the sequence is split over ranks and attention reaches the others' tokens
 (tessera.parallel.context). Attention sinks and sliding windows (GPT-OSS: --softmax-type,
---window-size) run through tessera.models.attention_sinks.
+--window-size) run through tessera.models.attention_sinks. With --attention-output-gate (Qwen3-Next,
+Megatron's attention_output_gate) the QKV projection also gives a gate per query channel, and the
+heads' output is multiplied by its sigmoid before the output projection.
 """
 
 from __future__ import annotations
@@ -52,9 +54,12 @@ class Attention(nn.Module):
         self.context = context   # context parallelism: this rank's queries attend over the whole sequence
         q, kv = heads * self.head_dim, groups * self.head_dim
         kv_splits = min(groups, tp_size)
+        self.gate_width = self.num_heads * self.head_dim if config.attention_output_gate else 0   # this rank's
+        gate = (q,) * config.attention_output_gate   # [q; k; v; gate], the gate split with its heads
         self.qkv = ColumnParallelLinear(
-            config.hidden_size, q + 2 * kv, bias=config.add_bias_linear or config.add_qkv_bias,
-            init_std=config.init_method_std, segments=(q, kv, kv), splits=(tp_size, kv_splits, kv_splits),
+            config.hidden_size, q + 2 * kv + len(gate) * q, bias=config.add_bias_linear or config.add_qkv_bias,
+            init_std=config.init_method_std, segments=(q, kv, kv, *gate),
+            splits=(tp_size, kv_splits, kv_splits, *(tp_size,) * len(gate)),
             tp_group=tp_group, sequence_parallel=sequence_parallel,
         )
         self.proj = RowParallelLinear(q, config.hidden_size, bias=config.add_bias_linear, init_std=output_std,
@@ -91,7 +96,10 @@ class Attention(nn.Module):
         qkv = self.qkv(x)  # whole sequence, this rank's heads (under SP, x is a sequence shard)
         batch, seq, _ = qkv.shape
         d = self.head_dim
-        if rope is not None and self.q_norm is None and rope[0].shape[-1] == d:
+        gate = None
+        if self.gate_width:
+            qkv, gate = qkv.split([qkv.shape[-1] - self.gate_width, self.gate_width], dim=-1)
+        if rope is not None and self.q_norm is None and rope[0].shape[-1] == d and gate is None:
             q, k, v = rotary_qkv(qkv, *rope, self.num_heads, self.num_groups)   # one pass each way
             return attend_and_project(self, *(t.transpose(1, 2) for t in (q, k, v)), documents)
         q, k, v = qkv.split([self.num_heads * d, self.num_groups * d, self.num_groups * d], dim=-1)
@@ -104,7 +112,7 @@ class Attention(nn.Module):
             # q and k are new tensors: attention's backward keeps v, which as a view of the QKV
             # output would keep all of it alive (two thirds of it or more for nothing).
             v = v.contiguous()
-        return attend_and_project(self, *(t.transpose(1, 2) for t in (q, k, v)), documents)
+        return attend_and_project(self, *(t.transpose(1, 2) for t in (q, k, v)), documents, gate)
 
 
 def _learned_sinks(config: ModelConfig, tp_rank: int, tp_size: int, local_heads: int) -> nn.Parameter | None:
@@ -116,15 +124,17 @@ def _learned_sinks(config: ModelConfig, tp_rank: int, tp_size: int, local_heads:
 
 
 def attend_and_project(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       documents: Documents | None) -> torch.Tensor:
+                       documents: Documents | None, gate: torch.Tensor | None = None) -> torch.Tensor:
     """layer.core on [b, heads, s, d] (recomputed in the backward with selective recompute),
-    then layer.proj on the heads side by side: the tail that Attention and MLA share."""
+    then layer.proj on the heads side by side (times sigmoid(gate) [b, s, heads x d] first, when
+    given): the tail that Attention and MLA share."""
     if layer.recompute_core and layer.training:
         out = checkpoint(layer.core, q, k, v, documents, rng=layer.rng if layer.dropout > 0 else None)
     else:
         out = layer.core(q, k, v, documents)
     batch, _, seq, _ = out.shape
-    return layer.proj(out.transpose(1, 2).reshape(batch, seq, -1))
+    out = out.transpose(1, 2).reshape(batch, seq, -1)
+    return layer.proj(out if gate is None else out * torch.sigmoid(gate))
 
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None, *,

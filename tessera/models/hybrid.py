@@ -2,6 +2,7 @@
 layer per symbol, as Megatron-Core's HybridModel and transformers' NemotronH build them.
 
     M  x + mixer(norm(x))       the Mamba-2 mixer (tessera.models.mamba)
+    G  x + mixer(norm(x))       the Gated DeltaNet mixer (tessera.models.gated_deltanet)
     *  x + attention(norm(x))   the transformer block's attention (RoPE when the model has it)
     -  x + mlp(norm(x))         the transformer block's MLP
     E  x + mlp(norm(x))         a MoELayer
@@ -18,9 +19,10 @@ import torch
 from torch import nn
 
 from tessera.config import ModelConfig
-from tessera.config.hybrid import ATTENTION, MAMBA, MLP as MLP_SYMBOL, layer_symbols
+from tessera.config.hybrid import ATTENTION, GATED_DELTANET, MAMBA, MLP as MLP_SYMBOL, layer_symbols
 from tessera.models.attention import Attention
 from tessera.models.documents import Documents
+from tessera.models.gated_deltanet import GatedDeltaNet
 from tessera.models.mamba import MambaMixer
 from tessera.models.mlp import MLP
 from tessera.models.moe import MoELayer
@@ -40,7 +42,7 @@ def build_layer(config: ModelConfig, index: int, *, moe: bool, **kwargs) -> nn.M
 
 class HybridLayer(nn.Module):
     """x + dropout(f(norm(x))) for one symbol's f; its module is named as in a TransformerBlock
-    (`attention`, `mlp`) or `mixer` for Mamba-2, so that checkpoints read alike."""
+    (`attention`, `mlp`) or `mixer` for Mamba-2 and Gated DeltaNet, so that checkpoints read alike."""
 
     def __init__(self, config: ModelConfig, symbol: str, *, tp_group=None, sequence_parallel: bool = False,
                  rng: DropoutRNG | None = None, recompute_core: bool = False,
@@ -52,6 +54,8 @@ class HybridLayer(nn.Module):
         self.input_norm = build_norm(config, tp_group, sequence_parallel)
         if symbol == MAMBA:
             self.mixer = MambaMixer(config, output_std, **split)
+        elif symbol == GATED_DELTANET:
+            self.mixer = GatedDeltaNet(config, output_std, **split)
         elif symbol == ATTENTION:
             self.attention = Attention(config, output_std, rng=rng, recompute_core=recompute_core, context=context,
                                        **split)
@@ -65,7 +69,7 @@ class HybridLayer(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 documents: Documents | None = None) -> torch.Tensor:
         hidden = self.input_norm(x)
-        if self.symbol == MAMBA:
+        if self.symbol in (MAMBA, GATED_DELTANET):
             hidden = self.mixer(hidden, documents)
         elif self.symbol == ATTENTION:
             hidden = self.attention(hidden, rope, documents)

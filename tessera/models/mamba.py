@@ -56,11 +56,11 @@ class MambaMixer(nn.Module):
             tp_group=tp_group, sequence_parallel=sequence_parallel)
         conv_parts = (inner, states, states)   # x, B, C
         split = lambda *shape: ShardSpec((sum(conv_parts), *shape), 0, conv_parts, rank, tp_size)  # noqa: E731
-        self.conv_weight = _parameter(split(1, CONV_KERNEL), _uniform(CONV_KERNEL ** -0.5))
-        self.conv_bias = _parameter(split(), _uniform(CONV_KERNEL ** -0.5))
+        self.conv_weight = sharded_parameter(split(1, CONV_KERNEL), uniform_init(CONV_KERNEL ** -0.5))
+        self.conv_bias = sharded_parameter(split(), uniform_init(CONV_KERNEL ** -0.5))
         per_head = ShardSpec((heads,), 0, None, rank, tp_size)
-        self.dt_bias = _parameter(per_head, _dt_bias)
-        self.A_log = _parameter(per_head, _a_log)
+        self.dt_bias = sharded_parameter(per_head, _dt_bias)
+        self.A_log = sharded_parameter(per_head, a_log_init)
         self.D = annotate(nn.Parameter(torch.empty(self.num_heads)), per_head, init_value=1.0)
         self.norm_weight = annotate(nn.Parameter(torch.empty(inner // tp_size)),
                                     ShardSpec((inner,), 0, None, rank, tp_size), init_value=1.0)
@@ -82,15 +82,16 @@ class MambaMixer(nn.Module):
                                             self.eps).to(hidden.dtype))
 
 
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   document_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """Depthwise causal convolution over the sequence of x [b, s, channels] (weight [channels, 1, k]);
-    with `document_ids` [b, s], the taps that reach into an earlier document read zeros."""
+    """Depthwise causal convolution over the sequence of x [b, s, channels] (weight [channels, 1, k],
+    bias [channels] or None); with `document_ids` [b, s], the taps that reach into an earlier
+    document read zeros."""
     kernel = weight.shape[-1]
     if document_ids is None:
         out = F.conv1d(x.transpose(1, 2), weight, bias, padding=kernel - 1, groups=x.shape[-1])
         return out[..., :x.shape[1]].transpose(1, 2)
-    out = bias.to(x.dtype).expand_as(x)
+    out = bias.to(x.dtype).expand_as(x) if bias is not None else torch.zeros_like(x)
     for shift in range(kernel):   # tap k - 1 - shift reads the token `shift` places back
         earlier = F.pad(x, (0, 0, shift, 0))[:, :x.shape[1]]
         same = F.pad(document_ids, (shift, 0), value=-1)[:, :x.shape[1]] == document_ids
@@ -98,31 +99,35 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     return out
 
 
-def gated_rms_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, groups: int, eps: float) -> torch.Tensor:
+def gated_rms_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, groups: int, eps: float, *,
+                   norm_before_gate: bool = False) -> torch.Tensor:
     """RMSNorm of y * silu(gate) over each group's channels separately, in fp32 (Megatron's
-    norm_before_gate=False; transformers' Mamba2RMSNormGated)."""
-    gated = y.float() * F.silu(gate.float())
-    grouped = gated.unflatten(-1, (groups, -1))
-    normed = grouped * torch.rsqrt(grouped.square().mean(-1, keepdim=True) + eps)
-    return normed.flatten(-2) * weight.float()
+    norm_before_gate=False; transformers' Mamba2RMSNormGated); with `norm_before_gate`,
+    RMSNorm(y) * silu(gate) (Gated DeltaNet's, transformers' Qwen3NextRMSNormGated)."""
+    gate = F.silu(gate.float())
+    grouped = (y.float() if norm_before_gate else y.float() * gate).unflatten(-1, (groups, -1))
+    normed = (grouped * torch.rsqrt(grouped.square().mean(-1, keepdim=True) + eps)).flatten(-2) * weight.float()
+    return normed * gate if norm_before_gate else normed
 
 
 # -- initialisation of the full tensors (tessera.models.gpt.initialize_parameter), as Megatron's mixer --
 
-def _parameter(spec: ShardSpec, init_full) -> nn.Parameter:
+def sharded_parameter(spec: ShardSpec, init_full) -> nn.Parameter:
+    """This rank's rows of a parameter whose full tensor `init_full` draws (the same for any layout)."""
     rows = sum(piece.length for piece in spec.pieces())
     param = annotate(nn.Parameter(torch.empty(rows, *spec.full_shape[1:])), spec)
     param.init_full = init_full
     return param
 
 
-def _uniform(bound: float):
+def uniform_init(bound: float):
     """nn.Conv1d's default: uniform in +-1/sqrt(fan in), fan in = the kernel width."""
     return lambda shape, generator, device: torch.empty(shape, device=device).uniform_(-bound, bound,
                                                                                        generator=generator)
 
 
-def _a_log(shape, generator, device) -> torch.Tensor:
+def a_log_init(shape, generator, device) -> torch.Tensor:
+    """log A for A uniform in A_INIT_RANGE (Megatron's A_init_range, Mamba-2's and Gated DeltaNet's)."""
     low, high = A_INIT_RANGE
     return torch.empty(shape, device=device).uniform_(low, high, generator=generator).log()
 

@@ -46,7 +46,18 @@ d = heads x head dim inner channels, g groups, N the state size and n heads,
           + 3 * 7 * d * N                 the scan (Megatron's estimate)
           + 6 * d * h                     out_proj
 
-(Megatron writes d = 2h, which it is unless --mamba-num-heads says otherwise.)
+(Megatron writes d = 2h, which it is unless --mamba-num-heads says otherwise.) Each Gated DeltaNet
+layer `G`, with qk = key heads x key head dim, v = value heads x value head dim, n value heads of
+V channels and K conv taps, as Megatron's gdn_layer_flops (its V^2 assumes key and value heads
+of one width):
+
+    gdn = 6 * ( h * (2*qk + 2*v + 2*n)     in_proj
+              + K * (2*qk + v)             conv
+              + 4 * n * V^2                the delta rule (K K^T, V K^T, the state update, S q)
+              + v * h )                    out_proj
+
+With --attention-output-gate the query projection is twice as wide (the gate's h x q GEMM is
+counted, as Megatron's transformer formula counts it).
 
 Sliding-window attention (--window-size) is counted as Megatron counts it: not at all, each
 windowed layer's core attention counted as full causal attention over s (so GPT-OSS's
@@ -106,7 +117,7 @@ def attention_projections(config: ModelConfig) -> list[tuple[int, int]]:
     h, n = config.hidden_size, config.num_attention_heads
     if not config.multi_latent_attention:
         q, kv = n * config.kv_channels, config.num_query_groups * config.kv_channels
-        return [(h, q + 2 * kv), (q, h)]
+        return [(h, q * (1 + config.attention_output_gate) + 2 * kv), (q, h)]
     qk = config.qk_head_dim + config.qk_pos_emb_head_dim
     query = [(h, n * qk)] if config.q_lora_rank is None else [(h, config.q_lora_rank), (config.q_lora_rank, n * qk)]
     return query + [(h, config.kv_lora_rank + config.qk_pos_emb_head_dim),
@@ -176,17 +187,37 @@ def _mamba_params(config: ModelConfig) -> int:
     return h * projected + (inner + 2 * states) * (CONV_KERNEL + 1) + 3 * heads + inner + inner * h + biases
 
 
+def _gdn_shape(config: ModelConfig) -> tuple[int, int, int]:
+    """(query/key channels qk, value channels v, value heads n) of a Gated DeltaNet mixer."""
+    heads = config.linear_num_value_heads
+    return config.linear_num_key_heads * config.linear_key_head_dim, heads * config.linear_value_head_dim, heads
+
+
+def _gdn_params(config: ModelConfig) -> int:
+    """in_proj, conv (no bias), dt_bias, A_log, the gated norm (one head wide) and out_proj
+    (tessera.models.gated_deltanet)."""
+    h, (qk, v, heads) = config.hidden_size, _gdn_shape(config)
+    projected = 2 * qk + 2 * v + 2 * heads
+    biases = (projected + h) * config.add_bias_linear
+    return (h * projected + (2 * qk + v) * config.linear_conv_kernel_dim + 2 * heads + config.linear_value_head_dim
+            + v * h + biases)
+
+
 def _hybrid_layer_parameters(config: ModelConfig) -> list[LayerParameters]:
-    from tessera.config.hybrid import ATTENTION, MAMBA, MLP, layer_symbols
+    from tessera.config.hybrid import ATTENTION, GATED_DELTANET, MAMBA, MLP, layer_symbols
 
     norm = _norm_params(config)
-    kinds = {MAMBA: LayerParameters(norm + _mamba_params(config), 0),
-             ATTENTION: LayerParameters(norm + _attention_params(config), 0),
+    symbols = layer_symbols(config.hybrid_layer_pattern)
+    kinds = {ATTENTION: LayerParameters(norm + _attention_params(config), 0),
              MLP: LayerParameters(norm + _mlp_params(config, config.ffn_hidden_size), 0)}
     if config.num_experts is not None:
         moe = _moe_params(config)
         kinds["E"] = LayerParameters(norm + moe.dense, moe.experts)
-    return [kinds[symbol] for symbol in layer_symbols(config.hybrid_layer_pattern)]
+    if MAMBA in symbols:
+        kinds[MAMBA] = LayerParameters(norm + _mamba_params(config), 0)
+    if GATED_DELTANET in symbols:
+        kinds[GATED_DELTANET] = LayerParameters(norm + _gdn_params(config), 0)
+    return [kinds[symbol] for symbol in symbols]
 
 
 def count_parameters(config: ModelConfig, vocab_size: int | None = None) -> ParamCount:
@@ -236,16 +267,23 @@ def flops_per_token(config: ModelConfig, seq_length: int | None = None, vocab_si
     mtp = depths * (3 * h + 2 * h * h)   # Megatron's count of the depths' norms and projections
     linear = layers * projections + gated * h * sum(_mlp_widths(config)) + mtp + h * vocab * (1 + depths)
     attention = layers * _core_attention_width(config) * s * (1 if causal else 2)
-    return 6.0 * (linear + attention) + _mamba_flops(config)
+    return 6.0 * (linear + attention) + _mixer_flops(config)
 
 
-def _mamba_flops(config: ModelConfig) -> float:
-    """Megatron's count of the Mamba-2 layers per token (forward + backward)."""
+def _mixer_flops(config: ModelConfig) -> float:
+    """Megatron's count of the Mamba-2 and Gated DeltaNet layers per token (forward + backward)."""
     if config.hybrid_layer_pattern is None:
         return 0.0
-    h, (inner, states, heads) = config.hidden_size, _mamba_shape(config)
-    per_layer = 6 * h * (2 * inner + 2 * states + heads) + 3 * 7 * inner * config.mamba_state_dim + 6 * inner * h
-    return float(_hybrid_symbols(config).count("M") * per_layer)
+    h, symbols, total = config.hidden_size, _hybrid_symbols(config), 0.0
+    if "M" in symbols:
+        inner, states, heads = _mamba_shape(config)
+        mamba = 6 * h * (2 * inner + 2 * states + heads) + 3 * 7 * inner * config.mamba_state_dim + 6 * inner * h
+        total += symbols.count("M") * mamba
+    if "G" in symbols:
+        qk, v, v_heads = _gdn_shape(config)
+        total += symbols.count("G") * 6 * (h * (2 * qk + 2 * v + 2 * v_heads) + config.linear_conv_kernel_dim
+                                           * (2 * qk + v) + 4 * v_heads * config.linear_value_head_dim ** 2 + v * h)
+    return total
 
 
 def _attention_layers(config: ModelConfig) -> int:

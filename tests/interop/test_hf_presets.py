@@ -24,8 +24,8 @@ from tessera.training.checkpoint_files import save_model_checkpoint
 
 VOCAB = 101
 # Presets no transformers family computes, and the flag their refusal names.
-REFUSED = {"tiny-moe": "--moe-shared-expert-gate", "tiny-hybrid": "--squared-relu",   # Nemotron-H's MLPs, not GeLU
-           "mamba2-hybrid-8b": "--squared-relu"}
+REFUSED = {"tiny-moe": "--moe-shared-expert-gate", "tiny-hybrid": "--hybrid-layer-pattern",
+           "mamba2-hybrid-8b": "--hybrid-layer-pattern"}
 
 
 def tiny(preset: str) -> ModelConfig:
@@ -36,9 +36,13 @@ def tiny(preset: str) -> ModelConfig:
     if full.group_query_attention:
         values["num_query_groups"] = 2
     if full.hybrid_layer_pattern:   # each kind of layer once; Mamba-2 heads of 16 channels in 2 groups
-        pattern = "".join(dict.fromkeys(layer_symbols(full.hybrid_layer_pattern)))
+        symbols = layer_symbols(full.hybrid_layer_pattern)
+        if "G" in symbols:   # Qwen3-Next's layers come in (mixer, MLP) pairs: each kind of pair once
+            symbols = ["".join(pair) for pair in zip(symbols[0::2], symbols[1::2])]
+        pattern = "".join(dict.fromkeys(symbols))
         values.update(hybrid_layer_pattern=pattern, num_layers=len(pattern), mamba_head_dim=16, mamba_num_groups=2,
-                      mamba_state_dim=16)
+                      mamba_state_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                      linear_value_head_dim=16)
     if "kv_channels" in values:
         values["kv_channels"] = 24   # not hidden / heads, as in the presets that set it
     if full.multi_latent_attention:

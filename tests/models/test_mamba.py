@@ -109,7 +109,7 @@ def test_pattern_sets_layers_and_pipeline_segments():
 
 
 @pytest.mark.parametrize("pattern, message", [
-    ("M*G-", "Gated DeltaNet"), ("M*x", "unknown symbol"), ("M*/M", "MTP"), ("M*E", "needs --num-experts"),
+    ("M*D-", "DeepSeek sparse attention"), ("M*x", "unknown symbol"), ("M*/M", "MTP"), ("M*E", "needs --num-experts"),
 ])
 def test_bad_patterns_are_refused_in_one_line(pattern, message):
     with pytest.raises(ConfigError, match=message):
