@@ -1,6 +1,8 @@
 """Mamba-2's selective state-space scan (SSD: "Transformers are SSMs", arXiv 2405.21060), in chunks.
 
     y = ssd_scan(x, dt, A, B, C, D, document_ids=ids)
+    y, final = ssd_scan(x, dt, A, B, C, D, initial_states=h0, return_final_states=True)   # generation
+    y, h = ssd_step(h, x_t, dt_t, A, B_t, C_t, D)                                     # one token
 
 Per head, with state h [P, N] starting at zero (and again at the first token of every document):
 
@@ -9,6 +11,10 @@ Per head, with state h [P, N] starting at zero (and again at the first token of 
 x [b, s, heads, P], dt [b, s, heads] (after softplus), A [heads] (negative), B and C
 [b, s, groups, N] shared by the heads of a group (heads // groups of them, in order), D [heads];
 `document_ids` [b, s] (optional) names each token's document: no state crosses from one to the next.
+`initial_states` [b, heads, P, N] (optional) is the state before the first token, carried into its
+document; `return_final_states` also returns the state after the last token (of its document), in
+fp32 (or fp64): what the inference engine keeps per request between a prompt's chunks, and what
+`ssd_step` advances one token at a time while it decodes (mamba_ssm's names for the same).
 
 Backends (`BACKENDS`; `default_backend` picks one):
 - "torch": the chunked algorithm of the paper's Listing 1 in PyTorch ops, computed in fp32 (or fp64). Inside a
@@ -39,17 +45,34 @@ def default_backend(x: torch.Tensor) -> str:
 
 def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
              D: torch.Tensor, *, document_ids: torch.Tensor | None = None, chunk_size: int = CHUNK_SIZE,
-             backend: str | None = None) -> torch.Tensor:
-    """y [b, s, heads, P] in x's dtype (see the module docstring)."""
+             backend: str | None = None, initial_states: torch.Tensor | None = None,
+             return_final_states: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """y [b, s, heads, P] in x's dtype, and with `return_final_states` the state after the last
+    token [b, heads, P, N] (see the module docstring)."""
     backend = backend or default_backend(x)
     if backend == "mamba_ssm":
-        return _mamba_ssm(x, dt, A, B, C, D, document_ids, chunk_size)
+        return _mamba_ssm(x, dt, A, B, C, D, document_ids, chunk_size, initial_states, return_final_states)
     if backend != "torch":
         raise ValueError(f"SSD backend '{backend}': choose one of {', '.join(BACKENDS)}")
-    return _chunked(x, dt, A, B, C, D, document_ids, chunk_size)
+    y, final = _chunked(x, dt, A, B, C, D, document_ids, chunk_size, initial_states)
+    return (y, final) if return_final_states else y
 
 
-def _chunked(x, dt, A, B, C, D, document_ids, chunk_size: int) -> torch.Tensor:
+def ssd_step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+             C: torch.Tensor, D: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence for one token of each row, no scan: state [rows, heads, P, N], x [rows, heads, P],
+    dt [rows, heads], B and C [rows, groups, N] -> (y [rows, heads, P] in x's dtype, the next state in
+    the state's dtype)."""
+    dtype = state.dtype
+    per_group = x.shape[1] // B.shape[1]
+    B, C = (t.to(dtype).repeat_interleave(per_group, dim=1) for t in (B, C))   # [rows, heads, N]
+    dt, inputs = dt.to(dtype), x.to(dtype)
+    state = state * (dt * A.to(dtype)).exp()[..., None, None] + (dt[..., None] * inputs)[..., None] * B[:, :, None]
+    y = (state @ C[..., None])[..., 0] + D.to(dtype)[:, None] * inputs
+    return y.to(x.dtype), state
+
+
+def _chunked(x, dt, A, B, C, D, document_ids, chunk_size: int, initial_states) -> tuple[torch.Tensor, torch.Tensor]:
     batch, seq, heads, _ = x.shape
     per_group = heads // B.shape[2]
     if document_ids is None:
@@ -64,7 +87,8 @@ def _chunked(x, dt, A, B, C, D, document_ids, chunk_size: int) -> torch.Tensor:
     dtype = torch.promote_types(x.dtype, torch.float32)   # fp32 at least; fp64 stays fp64 (the tests)
     xs, dts = chunked(x.to(dtype)), chunked(dt.to(dtype))
     Bs, Cs = (chunked(t.to(dtype).repeat_interleave(per_group, dim=2)) for t in (B, C))  # [b, c, l, heads, N]
-    ids = chunked(document_ids)                                                          # [b, c, l]
+    # The padding joins the last document (dt 0: it changes no state): the final state is that document's.
+    ids = torch.cat([document_ids, document_ids[:, -1:].expand(batch, pad)], dim=1).view(batch, chunks, chunk_size)
     log_decay = (dts * A.to(dtype)).cumsum(dim=2)   # [b, c, l, heads]: sum of dt * A from the chunk's start
     inputs = xs * dts.unsqueeze(-1)               # dt_t x_t
 
@@ -80,21 +104,24 @@ def _chunked(x, dt, A, B, C, D, document_ids, chunk_size: int) -> torch.Tensor:
     to_end = (log_decay[:, :, -1:] - log_decay).exp() * (ids == last_ids.unsqueeze(-1)).unsqueeze(-1)
     own = torch.einsum("bclhn,bclh,bclhp->bchpn", Bs, to_end, inputs)                # [b, c, heads, P, N]
 
-    # 3. The state entering each chunk: the previous one's, carried on while the document goes on.
-    carried = log_decay[:, :, -1].exp() * torch.cat(
-        [torch.zeros_like(last_ids[:, :1]), last_ids[:, 1:] == last_ids[:, :-1]], dim=1).unsqueeze(-1)
-    state, entering = torch.zeros_like(own[:, 0]), []
+    # 3. The state entering each chunk: the previous one's, carried on while the document goes on. The
+    # document running as a chunk starts: the previous chunk's last; before the first, the initial
+    # state's (the first token's) or none.
+    before = ids[:, :1, 0] if initial_states is not None else torch.full_like(last_ids[:, :1], -1)
+    previous_ids = torch.cat([before, last_ids[:, :-1]], dim=1)                       # [b, c]
+    carried = log_decay[:, :, -1].exp() * (last_ids == previous_ids).unsqueeze(-1)
+    state = initial_states.to(dtype) if initial_states is not None else torch.zeros_like(own[:, 0])
+    entering = []
     for chunk in range(chunks):
         entering.append(state)
         state = own[:, chunk] + state * carried[:, chunk, :, None, None]
     entering = torch.stack(entering, dim=1)                                           # [b, c, heads, P, N]
 
     # 4. What the entering state gives each token of the chunk's first document.
-    previous_ids = torch.cat([torch.full_like(last_ids[:, :1], -1), last_ids[:, :-1]], dim=1)
     from_start = log_decay.exp() * (ids == previous_ids.unsqueeze(-1)).unsqueeze(-1)
     y = y + torch.einsum("bclhn,bchpn,bclh->bclhp", Cs, entering, from_start)
     y = y.reshape(batch, chunks * chunk_size, heads, -1)[:, :seq]
-    return (y + D.to(dtype)[:, None] * x.to(dtype)).to(x.dtype)
+    return (y + D.to(dtype)[:, None] * x.to(dtype)).to(x.dtype), state
 
 
 @functools.cache
@@ -106,10 +133,11 @@ def _mamba_ssm_kernel():
     return mamba_chunk_scan_combined
 
 
-def _mamba_ssm(x, dt, A, B, C, D, document_ids, chunk_size: int) -> torch.Tensor:
+def _mamba_ssm(x, dt, A, B, C, D, document_ids, chunk_size: int, initial_states, return_final_states: bool):
     kernel = _mamba_ssm_kernel() if x.is_cuda else None
     if kernel is None:
         raise ValueError("SSD backend 'mamba_ssm' needs CUDA and the mamba-ssm package (pip install mamba-ssm "
                          "--no-build-isolation)")
     seq_idx = None if document_ids is None else document_ids.to(torch.int32).contiguous()
-    return kernel(x, dt, A, B, C, chunk_size, D=D, seq_idx=seq_idx)
+    return kernel(x, dt, A, B, C, chunk_size, D=D, seq_idx=seq_idx, initial_states=initial_states,
+                  return_final_states=return_final_states)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.config import ConfigError, ModelConfig
-from tessera.kernels.ssd import ssd_scan
+from tessera.kernels.ssd import ssd_scan, ssd_step
 from tessera.models.documents import Documents
 from tessera.parallel.sharding import ShardSpec, annotate, rank_and_size
 from tessera.parallel.tensor import ColumnParallelLinear, RowParallelLinear
@@ -68,18 +68,63 @@ class MambaMixer(nn.Module):
                                           tp_group=tp_group, sequence_parallel=sequence_parallel)
 
     def forward(self, hidden: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
-        projected = self.in_proj(hidden)   # the whole sequence, this rank's heads and groups
-        batch, seq, _ = projected.shape
-        inner, states = self.num_heads * self.head_dim, self.num_groups * self.state_dim
-        z, xbc, dt = projected.split([inner, inner + 2 * states, self.num_heads], dim=-1)
+        z, xbc, dt = self._project(hidden)
         ids = documents.token_ids() if documents is not None else None
-        xbc = F.silu(causal_conv1d(xbc, self.conv_weight, self.conv_bias, ids))
+        x, dt, B, C = self._scan_inputs(F.silu(causal_conv1d(xbc, self.conv_weight, self.conv_bias, ids)), dt)
+        y = ssd_scan(x, dt, -self.A_log.float().exp(), B, C, self.D, document_ids=ids)
+        return self._output(y, z, hidden.dtype)
+
+    # -- generation: the state one request carries between steps (tessera.inference.recurrent_state) --
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """One request's state: the last CONV_KERNEL - 1 conv inputs, and the SSM state (this rank's heads)."""
+        channels = self.num_heads * self.head_dim + 2 * self.num_groups * self.state_dim
+        return {"conv": (CONV_KERNEL - 1, channels), "ssm": (self.num_heads, self.head_dim, self.state_dim)}
+
+    def prefill(self, hidden: torch.Tensor, state: dict[str, torch.Tensor]
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """hidden [rows, s, hidden] after `state` (each [rows, *state_shapes()]) -> (output, the state after
+        them): the chunked scan from the given state."""
+        z, xbc, dt = self._project(hidden)
+        conv, conv_state = self._convolve_after(xbc, state["conv"])
+        x, dt, B, C = self._scan_inputs(conv, dt)
+        y, ssm = ssd_scan(x, dt, -self.A_log.float().exp(), B, C, self.D, initial_states=state["ssm"],
+                          return_final_states=True)
+        return self._output(y, z, hidden.dtype), {"conv": conv_state, "ssm": ssm}
+
+    def step(self, hidden: torch.Tensor, state: dict[str, torch.Tensor]
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One token a row, hidden [rows, 1, hidden]: the recurrence advances the state (no scan)."""
+        z, xbc, dt = self._project(hidden)
+        conv, conv_state = self._convolve_after(xbc, state["conv"])
+        x, dt, B, C = self._scan_inputs(conv, dt)
+        y, ssm = ssd_step(state["ssm"], x[:, 0], dt[:, 0], -self.A_log.float().exp(), B[:, 0], C[:, 0], self.D)
+        return self._output(y[:, None], z, hidden.dtype), {"conv": conv_state, "ssm": ssm}
+
+    def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """z, [x | B | C] and dt of the whole sequence, this rank's heads and groups."""
+        inner, states = self.num_heads * self.head_dim, self.num_groups * self.state_dim
+        return self.in_proj(hidden).split([inner, inner + 2 * states, self.num_heads], dim=-1)
+
+    def _convolve_after(self, xbc: torch.Tensor, conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The activated conv of xbc [rows, s, channels] following the inputs of `conv_state` [rows, k - 1,
+        channels], and the last k - 1 inputs after it (fp32, as the state is kept)."""
+        window = torch.cat([conv_state.to(xbc.dtype), xbc], dim=1)
+        conv = causal_conv1d(window, self.conv_weight, self.conv_bias)[:, CONV_KERNEL - 1:]
+        return F.silu(conv), window[:, 1 - CONV_KERNEL:].float()
+
+    def _scan_inputs(self, xbc: torch.Tensor, dt: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [b, s, heads, P], dt after softplus (fp32), B and C [b, s, groups, N]."""
+        batch, seq, _ = xbc.shape
+        inner, states = self.num_heads * self.head_dim, self.num_groups * self.state_dim
         x, B, C = xbc.split([inner, states, states], dim=-1)
-        y = ssd_scan(x.view(batch, seq, self.num_heads, self.head_dim), F.softplus(dt.float() + self.dt_bias.float()),
-                     -self.A_log.float().exp(), B.view(batch, seq, self.num_groups, self.state_dim),
-                     C.view(batch, seq, self.num_groups, self.state_dim), self.D, document_ids=ids)
-        return self.out_proj(gated_rms_norm(y.reshape(batch, seq, inner), z, self.norm_weight, self.num_groups,
-                                            self.eps).to(hidden.dtype))
+        groups = (batch, seq, self.num_groups, self.state_dim)
+        return (x.view(batch, seq, self.num_heads, self.head_dim), F.softplus(dt.float() + self.dt_bias.float()),
+                B.view(groups), C.view(groups))
+
+    def _output(self, y: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """out_proj of the gated, group-normed y [b, s, heads, P]."""
+        return self.out_proj(gated_rms_norm(y.flatten(2), z, self.norm_weight, self.num_groups, self.eps).to(dtype))
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
