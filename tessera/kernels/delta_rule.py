@@ -80,8 +80,9 @@ def _chunked(q, k, v, g, beta, document_ids, chunk_size: int) -> torch.Tensor:
     # The chunk's delta-rule updates in WY form: (I + strictly_lower(beta K K^T * decay)) [U | W] = beta [V | K e^G]
     system = (betas.unsqueeze(-1) * (ks @ ks.transpose(-1, -2)) * decay).tril(-1)
     identity = torch.eye(chunk_size, dtype=dtype, device=v.device)
-    values = torch.linalg.solve_triangular(system + identity, betas.unsqueeze(-1) * vs, upper=False)
-    state_keys = torch.linalg.solve_triangular(system + identity, (betas * from_start).unsqueeze(-1) * ks, upper=False)
+    both = torch.cat([betas.unsqueeze(-1) * vs, (betas * from_start).unsqueeze(-1) * ks], dim=-1)   # one solve
+    values, state_keys = torch.linalg.solve_triangular(system + identity, both, upper=False).split(
+        [vs.shape[-1], ks.shape[-1]], dim=-1)
     attention = (qs @ ks.transpose(-1, -2)) * decay                                   # within the chunk, causal
     reading = qs * from_start.unsqueeze(-1)                                           # q_i e^{G_i} on the state
 
