@@ -7,11 +7,12 @@ per padded shape and replayed: rows are padded to a bucket (1, 2, 4, 8, then mul
 8) and block tables to a power of two of blocks, so a context of C tokens gathers at most
 2C keys. Graphs are captured on first use and share one memory pool.
 
-Inputs live in static device buffers (token ids, positions, block tables) that each step
-fills with one host-to-device copy each; slots and context lengths are computed on the
-device inside the graph. Padded rows decode token 0 at position 0 into block 0, the block
-the allocator never hands out. Nothing in the step reads the device from the host, so
-the step costs the host only the copies and the replay.
+Inputs live in static device buffers (token ids, positions, block tables, and for models
+with recurrent layers each row's state slot) that each step fills with one host-to-device
+copy each; slots and context lengths are computed on the device inside the graph. Padded
+rows decode token 0 at position 0 into block 0, the block the allocator never hands out
+(and state slot 0, which the scheduler never hands out). Nothing in the step reads the
+device from the host, so the step costs the host only the copies and the replay.
 
 Greedy runs (`start_greedy`): a second graph per shape ends with the argmax written back into
 the token-id buffer and the positions advanced, so several decode steps replay back to
@@ -46,7 +47,7 @@ from tessera.models.documents import Documents
 
 POLL_SECONDS = 50e-6   # GreedyRun.tokens' sleep between looks at the device
 
-Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Forward = Callable[..., torch.Tensor]   # (ids, positions, tables[, state slots]) -> logits
 PromptForward = Callable[[torch.Tensor, torch.Tensor, StepAttention, torch.Tensor], torch.Tensor]
 
 
@@ -80,15 +81,18 @@ def block_bucket(blocks: int) -> int:
 
 class DecodeGraphs:
     """`forward(ids [rows], positions [rows], block tables [rows, blocks]) -> logits [rows, vocab]`,
-    replayed from CUDA graphs."""
+    replayed from CUDA graphs; with `state_slots`, forward's fourth input is each row's slot
+    [rows] in the recurrent layers' state pool (tessera.inference.recurrent_state)."""
 
     def __init__(self, forward: Forward, *, max_rows: int, max_blocks: int, device: torch.device,
-                 vocab_size: int, max_steps: int = 1, compile: bool = True):
+                 vocab_size: int, max_steps: int = 1, compile: bool = True, state_slots: bool = False):
         self.forward = torch.compile(forward) if compile else forward
         self.vocab_size = vocab_size
         self.compiled = compile
         self.max_rows, self.max_blocks = row_bucket(max_rows), block_bucket(max_blocks)
         buffers = dict(ids=(self.max_rows,), positions=(self.max_rows,), tables=(self.max_rows, self.max_blocks))
+        if state_slots:
+            buffers["slots"] = (self.max_rows,)
         self.device_inputs = {name: torch.zeros(shape, dtype=torch.int64, device=device)
                               for name, shape in buffers.items()}
         self.host_inputs = {name: torch.zeros(shape, dtype=torch.int64, pin_memory=True)
@@ -100,19 +104,19 @@ class DecodeGraphs:
         self._last_run: GreedyRun | None = None
         self.capture_seconds = 0.0   # host time spent capturing (the engine stalls meanwhile)
 
-    def __call__(self, ids: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]]
-                 ) -> torch.Tensor:
+    def __call__(self, ids: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]],
+                 slots: Sequence[int] = ()) -> torch.Tensor:
         graph, logits = self._graph(len(ids), tables, greedy=False)
-        self._fill(ids, positions, tables)
+        self._fill(ids, positions, tables, slots)
         self._last_run = None   # its inputs are overwritten
         graph.replay()
         return logits[:len(ids)]
 
     def start_greedy(self, ids: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]],
-                     steps: int) -> GreedyRun:
+                     steps: int, slots: Sequence[int] = ()) -> GreedyRun:
         """Queue `steps` greedy decode steps from tokens `ids` at `positions` (the tables covering
         positions + steps)."""
-        self._fill(ids, positions, tables)
+        self._fill(ids, positions, tables, slots)
         return self._run_greedy(len(ids), tables, steps)
 
     def continue_greedy(self, run: GreedyRun, tables: Sequence[Sequence[int]], steps: int) -> GreedyRun:
@@ -154,10 +158,13 @@ class DecodeGraphs:
         blocks = min(block_bucket(max(len(t) for t in tables)), self.max_blocks)
         return self.graphs.get((rows, blocks, greedy)) or self._capture(rows, blocks, greedy)
 
-    def _fill(self, ids: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]]) -> None:
+    def _fill(self, ids: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]],
+              slots: Sequence[int]) -> None:
         self._fill_tables(tables)
         rows = row_bucket(len(ids))
-        for name, values in (("ids", ids), ("positions", positions)):
+        for name, values in (("ids", ids), ("positions", positions), ("slots", slots)):
+            if name not in self.host_inputs:   # no state slots
+                continue
             host = self.host_inputs[name].numpy()
             host[:rows] = 0
             host[:len(ids)] = values
@@ -174,12 +181,15 @@ class DecodeGraphs:
         self.device_inputs["tables"][:rows].copy_(self.host_inputs["tables"][:rows], non_blocking=True)
         self._copied.record()
 
-    def _inputs(self, rows: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _inputs(self, rows: int, blocks: int) -> tuple[torch.Tensor, ...]:
+        """forward's inputs: ids, positions, tables (and state slots) of `rows` rows and `blocks` blocks."""
         d = self.device_inputs
-        return d["ids"][:rows], d["positions"][:rows], d["tables"][:rows, :blocks]
+        slots = (d["slots"][:rows],) if "slots" in d else ()
+        return d["ids"][:rows], d["positions"][:rows], d["tables"][:rows, :blocks], *slots
 
-    def _step(self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, greedy: bool) -> torch.Tensor:
-        logits = self.forward(ids, positions, tables)
+    def _step(self, greedy: bool, ids: torch.Tensor, positions: torch.Tensor,
+              *tables_and_slots: torch.Tensor) -> torch.Tensor:
+        logits = self.forward(ids, positions, *tables_and_slots)
         if greedy:   # the next step's inputs
             argmax_into(logits, self.vocab_size, ids)
             positions.add_(1)
@@ -201,13 +211,13 @@ class DecodeGraphs:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):   # warm-up (and compilation) outside the capture
             for _ in range(2):
-                self._step(*inputs, greedy)
+                self._step(greedy, *inputs)
         torch.cuda.current_stream().wait_stream(side)
         for tensor in inputs:   # the warm-up's greedy steps moved the positions on
             tensor.zero_()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._step(*inputs, greedy)
+            logits = self._step(greedy, *inputs)
         self._pool = graph.pool()
         self.graphs[(rows, blocks, greedy)] = graph, logits
         for name, tensor in self.device_inputs.items():

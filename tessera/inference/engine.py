@@ -10,7 +10,8 @@
 Each `step` is one scheduler step (tessera.inference.scheduler: prefill chunks and decode
 tokens under a token budget, continuous batching, preemption), one forward pass over the
 paged KV cache (tessera.inference.runner, kv_cache, paged_attention; CUDA graphs for decode
-steps on a GPU) and one sampling pass (tessera.inference.sampling). Synchronous and
+steps on a GPU; the per-request state of a hybrid's Mamba-2 layers in
+tessera.inference.recurrent_state) and one sampling pass (tessera.inference.sampling). Synchronous and
 single-threaded; requests beyond capacity wait in its queue.
 
 Under tensor parallelism every rank of the TP group builds the same engine and is given
@@ -31,6 +32,7 @@ import torch
 
 from tessera.inference.cuda_graphs import GreedyRun
 from tessera.inference.kv_cache import PagedKVCache
+from tessera.inference.recurrent_state import StatePool
 from tessera.inference.runner import ModelRunner
 from tessera.inference.sampling import Sampler, SamplingParams
 from tessera.inference.scheduler import Request, ScheduledRow, Scheduler
@@ -66,7 +68,8 @@ class Engine:
     """Continuous batching over a paged KV cache, for one GPTModel (this rank's shard under TP).
 
     `num_blocks` defaults to room for `max_requests` requests of `max_seq_length` tokens (on
-    CUDA at most `kv_memory_fraction` of the free memory); with fewer, requests are preempted
+    CUDA at most `kv_memory_fraction` of the free memory, less the recurrent layers' state of
+    `max_requests` requests when the model has such layers); with fewer, requests are preempted
     and recomputed when the blocks run out. `prefix_caching` (off by default, as Megatron's
     --inference-dynamic-batching-prefix-caching) reuses the KV blocks of prompts that start
     alike; on CUDA the rest of such a prompt runs eagerly (docs/inference.md), so it pays for
@@ -90,9 +93,6 @@ class Engine:
                  cuda_graphs: bool = True, compile: bool = True, kv_memory_fraction: float = 0.8,
                  vocab_size: int | None = None, decode_steps: int = 16):
         config = model.config
-        if config.hybrid_layer_pattern is not None:   # Mamba-2 layers carry a state, not KV blocks
-            raise ValueError(f"--hybrid-layer-pattern {config.hybrid_layer_pattern!r}: generation with Mamba-2 "
-                             "layers is not supported yet (the engine keeps KV blocks, not their SSM and conv state)")
         limit = config.max_position_embeddings or config.seq_length
         self.max_seq_length = max_seq_length or limit
         for name, value, low in (("max_requests", max_requests, 1), ("block_size", block_size, 1),
@@ -106,23 +106,27 @@ class Engine:
         self.vocab_size = vocab_size or config.vocab_size or model.vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         parameter = next(model.parameters())
-        shapes = PagedKVCache.model_shapes(model)
+        shapes, state_shapes = PagedKVCache.model_shapes(model), StatePool.model_shapes(model)
+        if state_shapes and prefix_caching:
+            raise ValueError("prefix caching (--inference-dynamic-batching-prefix-caching) is not supported for "
+                             "models with Mamba-2 layers: a cached block holds keys and values, not their state")
         blocks_per_request = math.ceil(self.max_seq_length / block_size)
         if num_blocks is None:
             num_blocks = max_requests * blocks_per_request + 1
             if parameter.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(parameter.device)
-                affordable = int(free * kv_memory_fraction) // PagedKVCache.bytes_per_block(
-                    shapes, block_size, parameter.dtype)
-                num_blocks = max(min(num_blocks, affordable), 2)
+                num_blocks = _blocks_that_fit(num_blocks, shapes, block_size, parameter,
+                                              StatePool.bytes_per_slot(state_shapes) * (max_requests + 1),
+                                              kv_memory_fraction)
         self.cache = PagedKVCache(shapes, num_blocks, block_size, dtype=parameter.dtype, device=parameter.device,
                                   prefix_caching=prefix_caching)
+        # one slot per running request, and the null slot 0
+        self.states = StatePool(state_shapes, max_requests + 1, parameter.device) if state_shapes else None
         self.scheduler = Scheduler(self.cache.allocator, max_requests=max_requests,
                                    max_batched_tokens=max_batched_tokens)
         self.runner = ModelRunner(model, self.cache, self.vocab_size, max_rows=max_requests,
                                   max_blocks=blocks_per_request, max_tokens=max_batched_tokens,
                                   cuda_graphs=cuda_graphs, compile=compile,
-                                  decode_steps=decode_steps)
+                                  decode_steps=decode_steps, states=self.states)
         self.decode_steps = decode_steps
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids)
         self._generator = torch.Generator().manual_seed(seed)
@@ -331,3 +335,16 @@ class Engine:
     def _output(request: Request, tokens: list[int], logprobs, top, reason: str | None) -> RequestOutput:
         return RequestOutput(request.request_id, tokens, logprobs, top, reason is not None, reason,
                              len(request.prompt_token_ids), len(request.output_token_ids))
+
+
+def _blocks_that_fit(wanted: int, shapes, block_size: int, parameter: torch.Tensor, state_bytes: int,
+                     memory_fraction: float) -> int:
+    """At most `wanted` KV blocks (at least 2), within `memory_fraction` of the free CUDA memory once
+    the recurrent layers' state (`state_bytes`, every slot) is counted."""
+    free, _ = torch.cuda.mem_get_info(parameter.device)
+    budget = int(free * memory_fraction) - state_bytes
+    if budget < 0:
+        raise ValueError(f"the Mamba-2 layers' state for --inference-max-requests requests ({state_bytes / 2**30:.2f} "
+                         f"GiB) does not fit in {memory_fraction:.0%} of the free GPU memory: ask for fewer requests")
+    per_block = PagedKVCache.bytes_per_block(shapes, block_size, parameter.dtype)
+    return max(min(wanted, budget // per_block), 2) if per_block else wanted

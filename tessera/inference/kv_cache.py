@@ -162,8 +162,9 @@ class PagedKVCache:
 
     @staticmethod
     def model_shapes(model: nn.Module) -> dict[int, CacheShape]:
-        """Each block's cached shape, by global layer index."""
-        return {index: layer_shape(block.attention) for index, block in model.layers.items()}
+        """Each attention layer's cached shape, by global layer index (a hybrid's other layers cache none)."""
+        return {index: layer_shape(block.attention) for index, block in model.layers.items()
+                if hasattr(block, "attention")}
 
     @staticmethod
     def bytes_per_block(shapes: dict[int, CacheShape], block_size: int, dtype: torch.dtype) -> int:

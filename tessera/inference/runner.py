@@ -4,6 +4,8 @@ The model is tessera's GPTModel, unchanged: its embedding, blocks and head run h
 step's tokens laid flat ([1, tokens]), with positions given explicitly and each layer's
 `LayerCache` (tessera.inference.paged_attention) in the slot of packed-document attention.
 Only the last token of a row that finishes its prompt (or decodes) goes through the head.
+Recurrent layers of a hybrid (Mamba-2) get the step's `StepStates` in that slot instead
+(tessera.inference.recurrent_state), and MLP layers nothing.
 
 Steps where every row decodes one token run through `DecodeGraphs` on CUDA (CUDA graphs
 of the compiled decode step; several greedy steps back to back where the engine asks),
@@ -26,6 +28,7 @@ from tessera.inference import fused_decode
 from tessera.inference.cuda_graphs import DecodeGraphs, GreedyRun, PromptGraphs
 from tessera.inference.kv_cache import NULL_BLOCK, PagedKVCache
 from tessera.inference.paged_attention import ContinuedRow, StepAttention
+from tessera.inference.recurrent_state import PromptRow, StatePool, StepStates
 from tessera.inference.scheduler import ScheduledRow
 from tessera.models.documents import default_backend
 from tessera.models.gpt import GPTModel
@@ -34,32 +37,39 @@ from tessera.parallel.experts import LocalDispatcher
 
 
 def forward_tokens(model: GPTModel, input_ids: torch.Tensor, positions: torch.Tensor, step: StepAttention,
-                   logit_index: torch.Tensor | None = None) -> torch.Tensor:
+                   logit_index: torch.Tensor | None = None, states: StepStates | None = None) -> torch.Tensor:
     """Logits [rows, padded vocab] at the tokens `logit_index` (default all) of [1, tokens] inputs."""
     hidden = model.embed(input_ids, positions)
     rope = model.rotary(input_ids.shape[1], positions) if model.rotary is not None else None
     for index, block in model.layers.items():
-        hidden = block(hidden, rope, step.layer(index))
+        if index in step.pools:
+            cache = step.layer(index)
+        else:   # a hybrid's recurrent layer, or one that caches nothing
+            cache = states.layer(index) if states is not None else None
+        hidden = block(hidden, rope, cache)
     if logit_index is not None:
         hidden = hidden[:, logit_index]
     return model.head(hidden)[0]
 
 
 def decode_logits(model: GPTModel, cache: PagedKVCache, input_ids: torch.Tensor, positions: torch.Tensor,
-                  tables: torch.Tensor, *, fused: bool = False) -> torch.Tensor:
-    """One new token per row: ids and positions [rows], block tables [rows, blocks] -> logits [rows, padded vocab].
-    `fused`: a single row goes through tessera.inference.fused_decode (the model must be `supported` there)."""
+                  tables: torch.Tensor, slots: torch.Tensor | None = None, *, fused: bool = False,
+                  states: StatePool | None = None) -> torch.Tensor:
+    """One new token per row: ids and positions [rows], block tables [rows, blocks] (and with a state
+    pool, state slots [rows]) -> logits [rows, padded vocab]. `fused`: a single row goes through
+    tessera.inference.fused_decode (the model must be `supported` there)."""
     step = StepAttention.decode_only(cache.pools, cache.block_size, positions, tables)
     if fused and input_ids.shape[0] == 1:
         return fused_decode.decode_logits(model, input_ids, positions, step)
-    return forward_tokens(model, input_ids[None], positions[None], step)
+    recurrent = StepStates(states, slots, positions) if states is not None else None
+    return forward_tokens(model, input_ids[None], positions[None], step, states=recurrent)
 
 
 def graphs_supported(model: GPTModel, dtype: torch.dtype) -> bool:
     """Whether the decode step has no host sync: MoE layers need their grouped GEMMs (the loop
     over experts reads the expert sizes on the host) and all experts on this rank."""
     for layer in model.layers:
-        if isinstance(layer.mlp, MoELayer):
+        if isinstance(getattr(layer, "mlp", None), MoELayer):
             experts = layer.mlp.experts
             if not (experts.grouped_gemm and grouped_mm_available("cuda", dtype)) \
                     or type(layer.mlp.dispatcher) is not LocalDispatcher:
@@ -71,19 +81,23 @@ class ModelRunner:
     """Runs scheduled rows through the model and returns fp32 logits over the real vocabulary."""
 
     def __init__(self, model: GPTModel, cache: PagedKVCache, vocab_size: int, *, max_rows: int, max_blocks: int,
-                 max_tokens: int, cuda_graphs: bool, compile: bool, decode_steps: int = 1):
-        self.model, self.cache, self.vocab_size = model, cache, vocab_size
+                 max_tokens: int, cuda_graphs: bool, compile: bool, decode_steps: int = 1,
+                 states: StatePool | None = None):
+        self.model, self.cache, self.vocab_size, self.states = model, cache, vocab_size, states
         parameter = next(model.parameters())
         self.device, self.dtype = parameter.device, parameter.dtype
-        self.fused = fused_decode.supported(model)   # single-row decode steps through fused kernels
+        # single-row decode steps through fused kernels, which compute transformer blocks only
+        self.fused = model.config.hybrid_layer_pattern is None and fused_decode.supported(model)
         self.graphs = self.prompt_graphs = None
         self._eager_next: tuple[GreedyRun, torch.Tensor, torch.Tensor] | None = None   # continue_greedy's inputs
         if cuda_graphs and self.device.type == "cuda":
             if graphs_supported(model, self.dtype):
-                self.graphs = DecodeGraphs(lambda ids, positions, tables: decode_logits(
-                    model, cache, ids, positions, tables, fused=self.fused), max_rows=max_rows, max_blocks=max_blocks,
-                    device=self.device, vocab_size=vocab_size, max_steps=decode_steps, compile=compile)
-                if default_backend(self.device, self.dtype, dropout=False) == "varlen":
+                self.graphs = DecodeGraphs(functools.partial(decode_logits, model, cache, fused=self.fused,
+                                                             states=states), max_rows=max_rows, max_blocks=max_blocks,
+                                           device=self.device, vocab_size=vocab_size, max_steps=decode_steps,
+                                           compile=compile, state_slots=states is not None)
+                # a recurrent layer runs a prompt's rows one by one on the host: no graphs for prompt steps
+                if default_backend(self.device, self.dtype, dropout=False) == "varlen" and states is None:
                     self.prompt_graphs = PromptGraphs(functools.partial(forward_tokens, model), cache.pools,
                                                       cache.block_size, max_tokens=max_tokens, max_prompts=max_rows,
                                                       device=self.device)
@@ -113,11 +127,11 @@ class ModelRunner:
     @torch.no_grad()
     def start_greedy(self, rows: Sequence[ScheduledRow], steps: int) -> GreedyRun:
         """Queue each decode row's next `steps` greedy tokens (their blocks reserved)."""
-        ids, positions, tables = self._decode_inputs(rows)
+        ids, positions, tables, slots = self._decode_inputs(rows)
         if self.graphs is not None:
-            return self.graphs.start_greedy(ids, positions, tables, steps)
+            return self.graphs.start_greedy(ids, positions, tables, steps, slots)
         return self._eager_greedy(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
-                                  tables, steps)
+                                  tables, slots, steps)
 
     @torch.no_grad()
     def continue_greedy(self, run: GreedyRun, rows: Sequence[ScheduledRow], steps: int) -> GreedyRun:
@@ -129,15 +143,15 @@ class ModelRunner:
         last_run, last_ids, last_positions = self._eager_next
         if run is not last_run:
             raise ValueError("continue_greedy continues the last greedy run queued")
-        return self._eager_greedy(last_ids, last_positions, tables, steps)
+        return self._eager_greedy(last_ids, last_positions, tables, [row.request.state_slot for row in rows], steps)
 
     def _eager_greedy(self, ids: torch.Tensor, positions: torch.Tensor, tables: Sequence[list[int]],
-                      steps: int) -> GreedyRun:
-        table = self._padded(tables)
+                      slots: Sequence[int], steps: int) -> GreedyRun:
+        table, slot_tensor = self._padded(tables), torch.tensor(slots, device=self.device)
         tokens = []
         for _ in range(steps):
-            ids = decode_logits(self.model, self.cache, ids, positions, table,
-                                fused=self.fused)[:, :self.vocab_size].argmax(dim=-1)
+            ids = decode_logits(self.model, self.cache, ids, positions, table, slot_tensor, fused=self.fused,
+                                states=self.states)[:, :self.vocab_size].argmax(dim=-1)
             positions = positions + 1
             tokens.append(ids)
         run = GreedyRun(len(tables), steps, torch.stack(tokens))
@@ -145,16 +159,18 @@ class ModelRunner:
         return run
 
     @staticmethod
-    def _decode_inputs(rows: Sequence[ScheduledRow]) -> tuple[list[int], list[int], list[list[int]]]:
+    def _decode_inputs(rows: Sequence[ScheduledRow]) -> tuple[list[int], list[int], list[list[int]], list[int]]:
+        """Each row's token id, position, block table and state slot."""
         return ([row.request.token(row.start) for row in rows], [row.start for row in rows],
-                [row.request.blocks for row in rows])
+                [row.request.blocks for row in rows], [row.request.state_slot for row in rows])
 
     def _decode(self, rows: Sequence[ScheduledRow]) -> torch.Tensor:
-        ids, positions, tables = self._decode_inputs(rows)
+        ids, positions, tables, slots = self._decode_inputs(rows)
         if self.graphs is not None:
-            return self.graphs(ids, positions, tables)
-        return decode_logits(self.model, self.cache, torch.tensor(ids, device=self.device),
-                             torch.tensor(positions, device=self.device), self._padded(tables), fused=self.fused)
+            return self.graphs(ids, positions, tables, slots)
+        to_device = functools.partial(torch.tensor, device=self.device)
+        return decode_logits(self.model, self.cache, to_device(ids), to_device(positions), self._padded(tables),
+                             to_device(slots), fused=self.fused, states=self.states)
 
     def _padded(self, tables: Sequence[list[int]]) -> torch.Tensor:
         """Block tables [rows, the longest], padded with the null block."""
@@ -179,10 +195,17 @@ class ModelRunner:
         step.fresh = StepAttention.fresh_documents([r.count for r in fresh], self.device, self.dtype)
         step.continued = [ContinuedRow(r.count, r.start + r.count,
                                        torch.tensor(r.request.blocks, device=self.device)) for r in continued]
+        states = None
+        if self.states is not None:
+            states = StepStates(self.states, prompts=[PromptRow(r.request.state_slot, r.count, r.start == 0)
+                                                      for r in fresh + continued])
+            if decode:
+                states.decode_slots = torch.tensor([r.request.state_slot for r in decode], device=self.device)
+                states.decode_positions = step.decode_positions
         ends = torch.tensor([r.count for r in ordered]).cumsum(0) - 1
         sampling = [i for i, row in enumerate(ordered) if row.samples]
         logits = forward_tokens(self.model, to_device(ids)[None], to_device(positions)[None], step,
-                                ends[sampling].to(self.device))
+                                ends[sampling].to(self.device), states)
         return _in_order_of(rows, dict(zip((id(ordered[i]) for i in sampling), logits)), logits[:0])
 
     def _decode_then_prompts(self, rows: Sequence[ScheduledRow], decode: list[ScheduledRow],

@@ -14,11 +14,15 @@ cache. A step computes the next `count` tokens; when that reaches the last token
 step's logits at that token give the request its next token. So prefill, a chunk and a
 decode step are one thing of different sizes, and so is the recompute after preemption.
 
+Each running request also holds one of `max_requests` state slots, where recurrent layers
+(Mamba-2) keep its state (tessera.inference.recurrent_state); admission gives one, finishing
+and preemption take it back.
+
 Preemption by recompute (vLLM, Megatron's eviction): when a running request needs a
 block and none is free, the most recently admitted running request gives back all its
-blocks and goes to the head of the waiting queue; when it is admitted again its prompt
-and generated tokens are computed again (with prefix caching, its full blocks are usually
-still there). No step admits new requests while it preempts.
+blocks (and its state slot) and goes to the head of the waiting queue; when it is admitted
+again its prompt and generated tokens are computed again (with prefix caching, its full
+blocks are usually still there). No step admits new requests while it preempts.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class Request:
     blocks: list[int] = field(default_factory=list)
     computed: int = 0            # tokens whose keys and values are in the cache
     block_names: list[int] = field(default_factory=list)   # prefix-cache names of its leading full blocks
+    state_slot: int | None = None   # while running: its slot in the recurrent layers' state pool
     preemptions: int = 0
     finish_reason: str | None = None
 
@@ -78,6 +83,7 @@ class Scheduler:
         self.max_requests, self.max_batched_tokens = max_requests, max_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._free_slots = list(range(max_requests, 0, -1))   # 1..max_requests, lowest first; 0 is the null slot
         self.preemptions = 0            # so far, all requests
         self.cached_tokens = 0          # tokens found in the prefix cache instead of computed
 
@@ -115,6 +121,7 @@ class Scheduler:
             prompt_in_step = prompt_in_step or count > 1
             self.waiting.popleft()
             self.running.append(request)
+            request.state_slot = self._free_slots.pop()
             self.cached_tokens += request.computed
             rows.append(ScheduledRow(request, request.computed, count))
             budget -= count
@@ -173,3 +180,6 @@ class Scheduler:
         self.allocator.free(request.blocks)
         request.blocks, request.block_names = [], []
         request.computed = 0
+        if request.state_slot is not None:
+            self._free_slots.append(request.state_slot)
+            request.state_slot = None

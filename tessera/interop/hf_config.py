@@ -41,8 +41,9 @@ MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 # Multi-latent attention families (tessera.interop.hf_deepseek): model_type -> architecture
 DEEPSEEK_FAMILIES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                      "kimi_k2": "DeepseekV3ForCausalLM"}
-# Hybrid stacks of Mamba-2 layers (tessera.interop.hf_mamba): model_type -> architecture
-MAMBA_FAMILIES = {"mamba2": "Mamba2ForCausalLM"}
+# Hybrid stacks with Mamba-2 layers (tessera.interop.hf_mamba; Nemotron-H's other layers in
+# tessera.interop.hf_nemotron_h): model_type -> architecture
+MAMBA_FAMILIES = {"mamba2": "Mamba2ForCausalLM", "nemotron_h": "NemotronHForCausalLM"}
 FAMILIES = (*LLAMA_LIKE, *DEEPSEEK_FAMILIES, *MAMBA_FAMILIES, "qwen3_next", "gpt_oss", "gpt2")
 _GPT2_ACTIVATIONS = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu": False}  # -> openai_gelu
 _QKV_BIAS = ("qwen2", "qwen2_moe")

@@ -99,8 +99,20 @@ def _compiled_flex():
 _DOCUMENT_MASKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-@torch.compiler.disable
 def block_mask_for(seq_length: int, window: int | None, documents: Documents | None, device: torch.device):
+    """The block mask of causal (windowed) attention, within each document; built outside any
+    compiled graph."""
+    return _untraced(_block_mask_for)(seq_length, window, documents, device)
+
+
+@functools.cache
+def _untraced(fn):
+    """`fn` hidden from Dynamo, wrapped at first use rather than at import: torch.compiler loads
+    torch._dynamo, ~2 s that every command loading a model would pay."""
+    return torch.compiler.disable(fn)
+
+
+def _block_mask_for(seq_length: int, window: int | None, documents: Documents | None, device: torch.device):
     if documents is None:
         return _plain_block_mask(seq_length, window, device)
     masks = _DOCUMENT_MASKS.setdefault(documents, {})

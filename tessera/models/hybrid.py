@@ -69,6 +69,8 @@ class HybridLayer(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 documents: Documents | None = None) -> torch.Tensor:
         hidden = self.input_norm(x)
+        if hasattr(documents, "mix"):   # generation: the engine's per-request state (tessera.inference.recurrent_state)
+            return x + documents.mix(self.mixer, hidden)
         if self.symbol in (MAMBA, GATED_DELTANET):
             hidden = self.mixer(hidden, documents)
         elif self.symbol == ATTENTION:

@@ -86,6 +86,15 @@ def _qwen3_next(pattern: str, hidden: int, heads: int, groups: int, head_dim: in
                 untie_embeddings_and_output_weights=True, hidden_dropout=0.0, attention_dropout=0.0, **extra)
 
 
+def _nemotron_h(attention_layers: int, hidden: int, heads: int, ffn: int, **extra) -> dict:
+    """Nemotron-H (arXiv 2504.03624): Megatron's hybrid with squared-ReLU MLPs, an attention layer
+    after every fifth Mamba-2 layer but the last (the pattern of Megatron-LM's
+    examples/rl/model_configs/nemotron5_{8b,56b}.sh), 8 KV groups and the 131072-token vocabulary
+    (the model cards' config.json)."""
+    pattern = "M-M-M-M*-" + "M-M-M-M-M*-" * (attention_layers - 1) + "M-M-M-M-M-"
+    return _hybrid(pattern, hidden, heads, 8, ffn, 131072, 8192, squared_relu=True, **extra)
+
+
 def _llama(layers: int, hidden: int, heads: int, groups: int, ffn: int, vocab: int, seq: int, **extra) -> dict:
     gqa = dict(group_query_attention=True, num_query_groups=groups) if groups != heads else {}
     return dict(_LLAMA, num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
@@ -170,12 +179,23 @@ PRESETS: dict[str, dict] = {
                                       ffn_hidden_size=5120, rotary_base=10_000_000.0,
                                       **_moe(512, 10, 512, moe_shared_expert_intermediate_size=512,
                                              moe_shared_expert_gate=True, moe_aux_loss_coeff=[0.001])),
+    # Nemotron-H-8B-Base-8K and -56B-Base-8K (Megatron-LM's examples/rl/model_configs/nemotron5_{8b,56b}.sh;
+    # transformers' NemotronHConfig defaults are the 8B's): 52 layers (24 Mamba-2, 4 attention, 24 MLP) and
+    # 118 (54, 10, 54); the 56B's SSM state is 256 wide
+    "nemotron-h-8b": _nemotron_h(4, 4096, 32, 21504, init_method_std=0.014),
+    "nemotron-h-56b": _nemotron_h(10, 8192, 64, 32768, mamba_state_dim=256, init_method_std=0.0099),
     # Tiny shapes for tests and CPU demos
     "tiny-gpt": dict(_gpt(2, 64, 4, 64), vocab_size=256, make_vocab_size_divisible_by=8),
     "tiny-llama": dict(_llama(2, 64, 4, 2, 176, 256, 64), make_vocab_size_divisible_by=8),
     # Mamba-2, attention and MLP layers: 8 SSM heads of 16 channels in 2 groups, state 16
     "tiny-hybrid": _hybrid("M*-M-", 64, 4, 2, 128, 256, 64, mamba_state_dim=16, mamba_head_dim=16,
                            mamba_num_groups=2, make_vocab_size_divisible_by=8),
+    # Nemotron-H's layers and Nemotron-3's MoE in miniature: squared ReLU, 4 experts (top-2, sigmoid
+    # router with an expert bias, x2.5) and a shared expert
+    "tiny-nemotron-h": _hybrid("M-*EM-", 64, 4, 2, 96, 256, 64, squared_relu=True, mamba_state_dim=16,
+                               mamba_head_dim=16, mamba_num_groups=2, make_vocab_size_divisible_by=8,
+                               **_moe(4, 2, 48, **_SIGMOID_ROUTER, moe_router_topk_scaling_factor=2.5,
+                                      moe_shared_expert_intermediate_size=32)),
     # Qwen3-Next in miniature: two Gated DeltaNet and two gated attention layers, MoE after three of them
     # (4 experts, top-2, a gated shared expert) and a dense MLP after one
     "tiny-qwen3-next": dict(_qwen3_next("GE*EG-*E", 64, 4, 2, 16, 256, 64, 64, ffn_hidden_size=96,

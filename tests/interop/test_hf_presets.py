@@ -24,8 +24,8 @@ from tessera.training.checkpoint_files import save_model_checkpoint
 
 VOCAB = 101
 # Presets no transformers family computes, and the flag their refusal names.
-REFUSED = {"tiny-moe": "--moe-shared-expert-gate", "tiny-hybrid": "--hybrid-layer-pattern",
-           "mamba2-hybrid-8b": "--hybrid-layer-pattern"}
+REFUSED = {"tiny-moe": "--moe-shared-expert-gate", "tiny-hybrid": "--squared-relu",   # Nemotron-H's MLPs, not GeLU
+           "mamba2-hybrid-8b": "--squared-relu"}
 
 
 def tiny(preset: str) -> ModelConfig:

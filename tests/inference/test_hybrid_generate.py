@@ -1,0 +1,161 @@
+"""Generation with Mamba-2 layers: the engine keeps each request's conv and SSM state in slots
+beside the KV blocks (tessera.inference.recurrent_state).
+
+Oracles: transformers' greedy `Mamba2ForCausalLM.generate()` on a tiny random model (its cache
+and recurrent step, nothing of tessera's), and for a hybrid with attention layers (no Hugging Face
+family converts one yet) tessera's own forward over the whole sequence at every step. The scan
+pieces are held to one scan over the whole sequence first.
+"""
+
+import functools
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+
+from tessera.cli import run
+from tessera.inference import cuda_graphs
+from tessera.inference.engine import Engine
+from tessera.inference.loading import load_model
+from tessera.inference.runner import decode_logits
+from tessera.inference.sampling import SamplingParams
+from tessera.inference.text import HF_TOKENIZER_FILES
+from tessera.kernels.ssd import ssd_scan
+from tests.inference.test_decode_graphs_bookkeeping import stand_in_cuda  # noqa: F401 -- fixture
+from tests.inference.test_engine import SAMPLED, check_against_full_recompute, prompts, tiny_model
+from tests.inference.tiny_text_model import hf_dir, tokenizer  # noqa: F401 -- fixtures
+
+
+def test_a_scan_in_pieces_from_the_state_between_them_equals_one_scan():
+    """Chunks of 4 (the pieces cut inside chunks), fp64: 7 + 1 + 9 tokens from the states left
+    between them equal the 17 tokens in one scan, outputs and final state."""
+    generator = torch.Generator().manual_seed(0)
+    draw = functools.partial(torch.randn, generator=generator, dtype=torch.float64)
+    x, B, C = draw(2, 17, 4, 3), draw(2, 17, 2, 5), draw(2, 17, 2, 5)
+    dt, A, D = draw(2, 17, 4).sigmoid(), -draw(4).exp(), draw(4)
+    whole, final = ssd_scan(x, dt, A, B, C, D, chunk_size=4, return_final_states=True)
+    state, pieces = torch.zeros(2, 4, 3, 5, dtype=torch.float64), []
+    for start, end in ((0, 7), (7, 8), (8, 17)):
+        y, state = ssd_scan(x[:, start:end], dt[:, start:end], A, B[:, start:end], C[:, start:end], D, chunk_size=4,
+                            initial_states=state, return_final_states=True)
+        pieces.append(y)
+    torch.testing.assert_close(torch.cat(pieces, dim=1), whole, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(state, final, rtol=1e-12, atol=1e-12)
+
+
+def test_a_mixers_prefill_and_steps_equal_its_forward():
+    """Two requests: prefill of 7 tokens, then of 2 from the state left, then 11 recurrent steps."""
+    mixer = tiny_model("tiny-hybrid").layers[0].mixer
+    hidden = torch.randn(2, 20, 64, generator=torch.Generator().manual_seed(1))
+    state = {name: torch.zeros(2, *shape) for name, shape in mixer.state_shapes().items()}
+    outputs = []
+    with torch.no_grad():
+        expected = mixer(hidden)
+        for start, end in ((0, 7), (7, 9)):
+            out, state = mixer.prefill(hidden[:, start:end], state)
+            outputs.append(out)
+        for position in range(9, 20):
+            out, state = mixer.step(hidden[:, position:position + 1], state)
+            outputs.append(out)
+    torch.testing.assert_close(torch.cat(outputs, dim=1), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("options", [
+    dict(block_size=4),                                          # prompts whole, then decode rows together
+    dict(block_size=4, max_batched_tokens=8),                    # prompts in chunks beside decode rows
+    dict(block_size=16, max_batched_tokens=16, max_requests=2),  # a queue: slots handed on as requests leave
+    dict(block_size=4, num_blocks=12, max_batched_tokens=12),    # preempted and recomputed
+], ids=["paged", "chunked", "queued", "preempted"])
+def test_hybrid_logits_equal_the_full_forward_at_every_step(options):
+    """tiny-hybrid (M*-M-: Mamba-2, attention, MLP layers): the logits every sampled token comes from,
+    against the model's forward over the whole sequence; prompts of 1 to 30 tokens."""
+    model = tiny_model("tiny-hybrid")
+    engine = Engine(model, prefix_caching=False, decode_steps=1, **options)
+    check_against_full_recompute(model, engine, prompts(), SAMPLED)
+    if "num_blocks" in options:
+        assert engine.scheduler.preemptions > 0
+
+
+def test_graphed_decode_reads_and_writes_each_requests_slot(stand_in_cuda):  # noqa: F811
+    """The decode step as DecodeGraphs captures and replays it (the CUDA API stood in for on the
+    CPU, as in test_decode_graphs_bookkeeping): state slots in a static buffer, padded rows on
+    slot 0, greedy runs back to back, warm-up captures; the tokens of the engine without graphs."""
+    model = tiny_model("tiny-hybrid")
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    prompt_list = prompts((6, 3, 9))
+    expected = [c.token_ids for c in Engine(model, decode_steps=1).generate(prompt_list, [params] * 3)]
+    engine = Engine(model, block_size=4, decode_steps=4, max_seq_length=64)
+    engine.runner.graphs = graphs = cuda_graphs.DecodeGraphs(
+        functools.partial(decode_logits, model, engine.cache, states=engine.states), max_rows=64, max_blocks=16,
+        device=torch.device("cpu"), vocab_size=engine.vocab_size, max_steps=4, compile=False, state_slots=True)
+    engine.warm_up()
+    assert [c.token_ids for c in engine.generate(prompt_list, [params] * 3)] == expected
+    assert [c.token_ids for c in engine.generate(prompt_list[1:2], [params])] == expected[1:2]
+    assert any(rows == 4 for rows, _, _ in graphs.graphs)   # three rows padded to four
+
+
+VOCAB = 320   # the tiny tokenizer's
+
+
+@pytest.fixture(scope="module")
+def mamba2_dir(hf_dir, tmp_path_factory):  # noqa: F811
+    """A tiny random Mamba2ForCausalLM beside the tiny text tokenizer; weights drawn wide, so that
+    greedy choices are not near-ties, with norms, D and biases away from their defaults."""
+    path = tmp_path_factory.mktemp("mamba2")
+    for name in HF_TOKENIZER_FILES:
+        if (hf_dir / name).is_file():
+            shutil.copy(hf_dir / name, path / name)
+    config = transformers.Mamba2Config(vocab_size=VOCAB, hidden_size=32, num_heads=8, head_dim=8, state_size=4,
+                                       n_groups=2, num_hidden_layers=2, chunk_size=8, initializer_range=0.2,
+                                       eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.Mamba2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith((".D", "bias")):
+                param.normal_(0.5, 0.1)
+    model.save_pretrained(path)
+    return path
+
+
+def _transformers_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=2)
+    return out[0, len(prompt):].tolist()
+
+
+def test_greedy_tokens_equal_transformers_mamba2_generate(mamba2_dir):
+    """Prompts of 1, 5, 17 and 40 tokens together, in chunks of at most 16 tokens a step (the
+    40-token one continues from its state twice), then greedy runs of decode steps; each against
+    transformers' generate() of that prompt alone."""
+    reference = transformers.Mamba2ForCausalLM.from_pretrained(mamba2_dir).eval()
+    generator = torch.Generator().manual_seed(1)
+    prompt_list = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (1, 5, 17, 40)]
+    model, info = load_model(hf=str(mamba2_dir), dtype=torch.float32)
+    engine = Engine(model, block_size=8, max_batched_tokens=16, eos_token_ids=info.eos_token_ids)
+    completions = engine.generate(prompt_list, SamplingParams(max_tokens=24, temperature=0))
+    for prompt, completion in zip(prompt_list, completions):
+        assert completion.token_ids == _transformers_greedy(reference, prompt, 24)
+
+
+def test_generate_runs_a_converted_mamba2_checkpoint(mamba2_dir, tokenizer, tmp_path):  # noqa: F811
+    assert run(["convert", "hf-to-tessera", "--input", str(mamba2_dir), "--output", str(tmp_path / "ckpt")]) == 0
+    out = tmp_path / "out.jsonl"
+    assert run(["generate", "--load", str(tmp_path / "ckpt"), "--prompt", "The quick brown", "--max-new-tokens", "8",
+                "--temperature", "0", "--output-format", "jsonl", "--output", str(out)]) == 0
+    reference = transformers.Mamba2ForCausalLM.from_pretrained(mamba2_dir).eval()
+    expected = _transformers_greedy(reference, tokenizer.encode("The quick brown"), 8)
+    assert json.loads(out.read_text())["token_ids"] == expected
+
+
+def test_prefix_caching_and_mixers_without_a_state_are_refused_in_one_line():
+    model = tiny_model("tiny-hybrid")
+    with pytest.raises(ValueError, match="prefix caching") as error:
+        Engine(model, prefix_caching=True)
+    assert "\n" not in str(error.value)
+    model.layers[3].mixer = torch.nn.Identity()   # a mixer that keeps no state between steps
+    with pytest.raises(ValueError, match="layer 3: generation with Identity layers is not supported") as error:
+        Engine(model)
+    assert "\n" not in str(error.value)
