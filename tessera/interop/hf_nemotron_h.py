@@ -48,7 +48,8 @@ _SYMBOLS = {"linear_attention": MAMBA, "mamba": MAMBA, "full_attention": ATTENTI
 _LAYER_TYPES = {MAMBA: "linear_attention", ATTENTION: "full_attention", MLP: "mlp", MOE: "moe"}
 # The fields of a tessera model that must hold for it to be a Nemotron-H model.
 _BLOCKS = {"normalization": "RMSNorm", "position_embedding_type": "none", "disable_bias_linear": True,
-           "add_qkv_bias": False, "qk_layernorm": False, "multi_latent_attention": False, "softmax_type": "vanilla",
+           "add_qkv_bias": False, "qk_layernorm": False, "attention_output_gate": False,
+           "layernorm_zero_centered_gamma": False, "multi_latent_attention": False, "softmax_type": "vanilla",
            "window_size": None, "mtp_num_layers": None, "untie_embeddings_and_output_weights": True}
 _MOE_BLOCKS = {"squared_relu": True, "moe_router_score_function": "sigmoid", "moe_router_pre_softmax": False,
                "moe_shared_expert_gate": False, "moe_expert_capacity_factor": None}

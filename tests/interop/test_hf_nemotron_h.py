@@ -97,7 +97,9 @@ def test_what_tessera_computes_differently_is_refused(field, value):
         model_config_from_hf({**_config().to_dict(), field: value})
 
 
-def test_a_hybrid_with_gelu_mlps_is_refused_naming_the_flag():
-    model = ModelConfig(**preset_values("tiny-hybrid"))
-    with pytest.raises(UnsupportedModel, match="--squared-relu False has no Hugging Face equivalent"):
+@pytest.mark.parametrize("field, value", [("squared_relu", False), ("attention_output_gate", True),
+                                          ("layernorm_zero_centered_gamma", True)])
+def test_a_hybrid_nemotron_h_does_not_compute_is_refused_naming_the_flag(field, value):
+    model = ModelConfig(**{**preset_values("tiny-nemotron-h"), field: value})
+    with pytest.raises(UnsupportedModel, match=f"--{field.replace('_', '-')} {value} has no Hugging Face equivalent"):
         hf_config_from_model(model, "nemotron_h")
