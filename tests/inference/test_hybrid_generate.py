@@ -1,9 +1,10 @@
 """Generation with Mamba-2 layers: the engine keeps each request's conv and SSM state in slots
 beside the KV blocks (tessera.inference.recurrent_state).
 
-Oracles: transformers' greedy `Mamba2ForCausalLM.generate()` on a tiny random model (its cache
-and recurrent step, nothing of tessera's), and for a hybrid with attention layers (no Hugging Face
-family converts one yet) tessera's own forward over the whole sequence at every step. The scan
+Oracles: transformers' greedy `generate()` on tiny random `Mamba2ForCausalLM` and
+`NemotronHForCausalLM` models (their caches and recurrent steps, nothing of tessera's), and
+tessera's own forward over the whole sequence at every step for a hybrid of Mamba-2, attention
+and MLP layers, through chunked prefill, queues and preemption. The scan
 pieces are held to one scan over the whole sequence first.
 """
 
@@ -26,6 +27,7 @@ from tessera.kernels.ssd import ssd_scan
 from tests.inference.test_decode_graphs_bookkeeping import stand_in_cuda  # noqa: F401 -- fixture
 from tests.inference.test_engine import SAMPLED, check_against_full_recompute, prompts, tiny_model
 from tests.inference.tiny_text_model import hf_dir, tokenizer  # noqa: F401 -- fixtures
+from tests.interop.test_hf_nemotron_h import _hf_model as nemotron_h_model
 
 
 def test_a_scan_in_pieces_from_the_state_between_them_equals_one_scan():
@@ -126,18 +128,29 @@ def _transformers_greedy(model, prompt: list[int], new_tokens: int) -> list[int]
     return out[0, len(prompt):].tolist()
 
 
-def test_greedy_tokens_equal_transformers_mamba2_generate(mamba2_dir):
-    """Prompts of 1, 5, 17 and 40 tokens together, in chunks of at most 16 tokens a step (the
-    40-token one continues from its state twice), then greedy runs of decode steps; each against
-    transformers' generate() of that prompt alone."""
-    reference = transformers.Mamba2ForCausalLM.from_pretrained(mamba2_dir).eval()
+def _assert_engine_equals_transformers(reference, hf_path, prompt_lengths, vocab_size: int, new_tokens: int):
+    """The prompts together, in chunks of at most 16 tokens a step (long ones continue from their
+    state), then greedy runs of decode steps; each against transformers' generate() of that prompt alone."""
     generator = torch.Generator().manual_seed(1)
-    prompt_list = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (1, 5, 17, 40)]
-    model, info = load_model(hf=str(mamba2_dir), dtype=torch.float32)
+    prompt_list = [torch.randint(3, vocab_size, (n,), generator=generator).tolist() for n in prompt_lengths]
+    model, info = load_model(hf=str(hf_path), dtype=torch.float32)
     engine = Engine(model, block_size=8, max_batched_tokens=16, eos_token_ids=info.eos_token_ids)
-    completions = engine.generate(prompt_list, SamplingParams(max_tokens=24, temperature=0))
+    completions = engine.generate(prompt_list, SamplingParams(max_tokens=new_tokens, temperature=0))
     for prompt, completion in zip(prompt_list, completions):
-        assert completion.token_ids == _transformers_greedy(reference, prompt, 24)
+        assert completion.token_ids == _transformers_greedy(reference, prompt, new_tokens)
+
+
+def test_greedy_tokens_equal_transformers_mamba2_generate(mamba2_dir):
+    """Prompts of 1, 5, 17 and 40 tokens (the last continues from its state twice)."""
+    reference = transformers.Mamba2ForCausalLM.from_pretrained(mamba2_dir).eval()
+    _assert_engine_equals_transformers(reference, mamba2_dir, (1, 5, 17, 40), VOCAB, 24)
+
+
+def test_greedy_tokens_equal_transformers_nemotron_h_generate(tmp_path):
+    """Nemotron-H: Mamba-2, attention, squared-ReLU MLP and MoE layers in one model (weights drawn
+    wide); prompts of 1, 6 and 30 tokens."""
+    reference = nemotron_h_model(tmp_path, initializer_range=0.2)
+    _assert_engine_equals_transformers(reference, tmp_path, (1, 6, 30), reference.config.vocab_size, 16)
 
 
 def test_generate_runs_a_converted_mamba2_checkpoint(mamba2_dir, tokenizer, tmp_path):  # noqa: F811
