@@ -42,8 +42,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    from tessera.interop.hf import hf_to_tessera, tessera_to_hf
-    from tessera.interop.hf_config import UnsupportedModel
+    from tessera.interop.hf_checkpoint import hf_to_tessera, tessera_to_hf
+    from tessera.interop.hf_fields import UnsupportedModel
 
     try:
         if args.direction == "hf-to-tessera":

@@ -1,8 +1,12 @@
 """Hugging Face checkpoints <-> tessera: weights renamed, fused and transposed exactly.
 
     model = load_hf("path/to/hf_dir")          # single-process GPTModel; model(input_ids) -> logits
-    hf_to_tessera("hf_dir", "ckpt_dir")         # a tessera checkpoint (--load ckpt_dir --finetune)
-    tessera_to_hf("ckpt_dir", "hf_dir")         # config.json + safetensors (sharded when large) + tokenizer
+    hf_config, tensors = read_hf_dir("hf_dir")  # config.json and every tensor
+    state = tessera_state_from_hf(hf_config, tensors, hf_model_config(hf_config, tensors, 128))
+
+Whole directories (an HF model <-> a tessera checkpoint) convert one floor up, in
+tessera.interop.hf_checkpoint: tessera's checkpoint reader reads a LoRA run's HF base through this
+module, so this module imports nothing of tessera's checkpoints.
 
 Tessera fuses what HF keeps apart: q, k and v rows into one `qkv` weight and Llama's
 gate and up projections into `fc1` ([gate; up], the order tessera's SwiGLU chunks in).
@@ -31,14 +35,12 @@ from pathlib import Path
 
 import torch
 
-from tessera.config import ConfigError, ModelConfig
-from tessera.interop import hf_deepseek, hf_gpt_oss, hf_mamba, hf_qwen3_next
-from tessera.interop.hf_config import (
-    MAMBA_FAMILIES, UnsupportedModel, hf_config_from_model, infer_family, model_config_from_hf,
-)
+from tessera.config import ModelConfig
+from tessera.interop import hf_deepseek, hf_gpt_oss, hf_mamba, hf_nemotron_h, hf_qwen3_next
+from tessera.interop.hf_config import model_config_from_hf
+from tessera.interop.hf_fields import UnsupportedModel
 
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # GPT-2 block modules: (Hugging Face name, tessera name); both directions use these.
 _GPT2_NORMS = (("ln_1", "input_norm"), ("ln_2", "post_attention_norm"))
 _GPT2_LINEARS = (("attn.c_attn", "attention.qkv"), ("attn.c_proj", "attention.proj"),
@@ -121,8 +123,10 @@ def tessera_state_from_hf(hf_config: dict, hf: dict[str, torch.Tensor], model: M
     """Full (unsharded) tessera parameters from HF tensors."""
     vocab = model.padded_vocab_size()
     out: dict[str, torch.Tensor] = {}
-    if hf_config["model_type"] in MAMBA_FAMILIES:
+    if hf_config["model_type"] == hf_mamba.FAMILY:
         out = hf_mamba.state_from_hf(hf, model, _pad_rows)
+    elif hf_config["model_type"] == hf_nemotron_h.FAMILY:
+        out = hf_nemotron_h.state_from_hf(hf, model, _pad_rows)
     elif hf_config["model_type"] == hf_qwen3_next.FAMILY:
         out = hf_qwen3_next.state_from_hf(hf, model, _pad_rows, _swiglu_from_hf, _moe_from_hf)
     elif hf_config["model_type"] == "gpt2":
@@ -156,8 +160,10 @@ def hf_state_from_tessera(state: dict[str, torch.Tensor], model: ModelConfig, fa
     """HF tensors (names of `family`) from full tessera parameters."""
     vocab = model.vocab_size
     out: dict[str, torch.Tensor] = {}
-    if family in MAMBA_FAMILIES:
+    if family == hf_mamba.FAMILY:
         out = hf_mamba.state_to_hf(state, model)
+    elif family == hf_nemotron_h.FAMILY:
+        out = hf_nemotron_h.state_to_hf(state, model)
     elif family == hf_qwen3_next.FAMILY:
         out = hf_qwen3_next.state_to_hf(state, model, _swiglu_to_hf, _moe_to_hf)
     elif family == "gpt2":
@@ -238,9 +244,11 @@ def _mtp_to_hf(state: dict[str, torch.Tensor], src: str, dst: str, embedding: to
     return out
 
 
-def _with_mtp_layers(config: ModelConfig, hf_config: dict, tensors: dict[str, torch.Tensor]) -> ModelConfig:
-    """`config` with the multi-token prediction depths the checkpoint holds after its last layer:
-    the tensors decide, since HF's DeepSeek config says num_nextn_predict_layers 1 by default."""
+def hf_model_config(hf_config: dict, tensors: dict[str, torch.Tensor], vocab_multiple: int) -> ModelConfig:
+    """The ModelConfig of an HF checkpoint, with the multi-token prediction depths it holds after
+    its last layer: the tensors decide, since HF's DeepSeek config says num_nextn_predict_layers 1
+    by default. `vocab_multiple` is model_config_from_hf's."""
+    config = model_config_from_hf(hf_config, vocab_multiple=vocab_multiple)
     depths = 0
     while f"model.layers.{hf_config.get('num_hidden_layers', 0) + depths}.eh_proj.weight" in tensors:
         depths += 1
@@ -337,7 +345,7 @@ def _moe_to_hf(state: dict[str, torch.Tensor], src: str, dst: str, model: ModelC
     return out
 
 
-# -- entry points ---------------------------------------------------------------------
+# -- a model to run ---------------------------------------------------------------------
 
 def load_hf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """A single-process tessera GPTModel (eval mode) with the weights of a local HF model;
@@ -345,71 +353,8 @@ def load_hf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device:
     from tessera.models.gpt import GPTModel
 
     hf_config, tensors = read_hf_dir(path)
-    config = _with_mtp_layers(model_config_from_hf(hf_config, vocab_multiple=1), hf_config, tensors)
+    config = hf_model_config(hf_config, tensors, vocab_multiple=1)
     with torch.device(device):
         model = GPTModel(config)
     model.load_state_dict(tessera_state_from_hf(hf_config, tensors, config), strict=True)
     return model.to(dtype).eval()
-
-
-def hf_to_tessera(hf_dir: str | os.PathLike, checkpoint_dir: str | os.PathLike, *, vocab_multiple: int = 128,
-                  peft_adapter: str | os.PathLike | None = None) -> None:
-    """Write the HF model at `hf_dir` as a tessera checkpoint (weights and model config, fp32), with the
-    directory's tokenizer files (and generation config) beside it: `tessera generate --load` and
-    `tessera serve --load` find the tokenizer, chat template and EOS ids there. With `peft_adapter`
-    (a PEFT adapter of that model) the checkpoint is a LoRA one holding the base and the adapters
-    (tessera.interop.hf_peft.peft_checkpoint_state)."""
-    from tessera.data.tokenizers import copy_tokenizer_files, hf_tokenizer_files
-    from tessera.training.checkpoint_files import save_model_checkpoint
-
-    hf_config, tensors = read_hf_dir(hf_dir)
-    config = _with_mtp_layers(model_config_from_hf(hf_config, vocab_multiple=vocab_multiple), hf_config, tensors)
-    state, sections = tessera_state_from_hf(hf_config, tensors, config), None
-    if peft_adapter is not None:
-        from tessera.interop.hf_peft import peft_checkpoint_state
-
-        adapters, sections = peft_checkpoint_state(peft_adapter, config, hf_config["model_type"])
-        state.update(adapters)
-    save_model_checkpoint(checkpoint_dir, config, state, sections=sections,
-                          extra_files={"hf_config.json": json.dumps(hf_config, indent=2, sort_keys=True)})
-    copy_tokenizer_files(hf_tokenizer_files(hf_dir), checkpoint_dir)
-
-
-def tessera_to_hf(checkpoint_dir: str | os.PathLike, hf_dir: str | os.PathLike, *, family: str | None = None,
-                  dtype: str | None = None, max_shard_bytes: int = 5 * 2**30,
-                  peft_adapter: str | os.PathLike | None = None) -> str:
-    """Write the newest tessera checkpoint in `checkpoint_dir` as an HF model directory: config.json,
-    safetensors, and the checkpoint's tokenizer as transformers loads it (tessera.interop.hf_tokenizer);
-    what was written of the tokenizer, in words.
-
-    The family defaults to the imported model's (or is inferred from the architecture); the
-    dtype to the imported model's, else float32. The tokenizer's special ids go into config.json
-    where the imported config has none. A LoRA checkpoint is written merged; with `peft_adapter`
-    its base is, and its adapters as a PEFT adapter directory there (tessera.interop.hf_peft).
-    """
-    from tessera.interop.hf_tokenizer import write_hf_tokenizer
-    from tessera.training.checkpoint_files import load_model_checkpoint
-
-    saved = load_model_checkpoint(checkpoint_dir, extra_files=("hf_config.json",), merge_lora=peft_adapter is None)
-    if peft_adapter is not None and not saved.adapters:
-        raise ConfigError(f"{checkpoint_dir}: --peft-adapter needs a LoRA checkpoint (trained with --lora-rank)")
-    base = json.loads(saved.files["hf_config.json"]) if "hf_config.json" in saved.files else None
-    family = family or (base or {}).get("model_type") or infer_family(saved.config)
-    dtype = dtype or (base or {}).get("dtype") or (base or {}).get("torch_dtype") or "float32"
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype '{dtype}' is not one of {', '.join(_DTYPES)}")
-    hf_config = hf_config_from_model(saved.config, family, base, dtype)   # refuses what HF cannot compute, first
-    tensors = hf_state_from_tessera(saved.tensors, saved.config, family, _DTYPES[dtype])
-    Path(hf_dir).mkdir(parents=True, exist_ok=True)
-    tokenizer, special_ids = write_hf_tokenizer(Path(checkpoint_dir), saved.run_config, Path(hf_dir))
-    for name, token_id in special_ids.items():
-        hf_config.setdefault(name, token_id)
-    write_hf_dir(hf_dir, hf_config, tensors, max_shard_bytes)
-    if peft_adapter is not None:
-        from tessera.interop.hf_peft import write_peft_adapter
-        from tessera.posttrain.lora_checkpoint import lora_scale
-
-        write_peft_adapter(peft_adapter, saved.adapters, saved.config, scale=lora_scale(saved.run_config),
-                           dropout=saved.run_config["posttrain"]["lora_dropout"],
-                           base_model_name_or_path=str(Path(hf_dir).resolve()), family=family)
-    return tokenizer

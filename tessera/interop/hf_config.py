@@ -2,25 +2,22 @@
 
 Families: Llama (2, 3), Mistral (without a sliding window), Qwen2/2.5 (QKV bias), GPT-2,
 and three Mixture-of-Experts families: Mixtral, Qwen2-MoE (also Qwen1.5-MoE: QKV bias, a
-sigmoid-gated shared expert) and Qwen3-MoE (per-head QK norm); DeepSeek-V2 and -V3 (and
-Kimi-K2's checkpoints, DeepSeek-V3's code) with multi-latent attention, their fields in
-tessera.interop.hf_deepseek; Mamba-2 (a hybrid stack of M layers), in
-tessera.interop.hf_mamba; Qwen3-Next (Gated DeltaNet and gated attention) in
-tessera.interop.hf_qwen3_next; GPT-OSS (attention sinks, sliding windows, biased experts) in
-tessera.interop.hf_gpt_oss. Anything the tessera model would compute differently (a RoPE
-scaling other than llama3 or yarn, a sliding window, biases tessera has no place for, another
-activation, router jitter) is refused with a message naming the HF field, rather than converted
-into a model that silently disagrees.
+sigmoid-gated shared expert) and Qwen3-MoE (per-head QK norm), whose fields are here; the
+others each have a module of their own, which this one imports and dispatches to: DeepSeek-V2
+and -V3 (and Kimi-K2's checkpoints, DeepSeek-V3's code) with multi-latent attention in
+tessera.interop.hf_deepseek; Mamba-2 (a hybrid stack of M layers) in tessera.interop.hf_mamba;
+Nemotron-H (Mamba-2, attention, MLP and MoE layers) in tessera.interop.hf_nemotron_h; Qwen3-Next
+(Gated DeltaNet and gated attention) in tessera.interop.hf_qwen3_next; GPT-OSS (attention sinks,
+sliding windows, biased experts) in tessera.interop.hf_gpt_oss. What they share (the refusal,
+RoPE's fields) is tessera.interop.hf_fields'. Anything the tessera model would compute
+differently (a RoPE scaling other than llama3 or yarn, a sliding window, biases tessera has no
+place for, another activation, router jitter) is refused with a message naming the HF field,
+rather than converted into a model that silently disagrees.
 
-transformers 5 writes the RoPE base and scaling inside `rope_parameters`; 4.x wrote
-`rope_theta` and `rope_scaling` at the top level. Both are read (`rope_scaling` first, as
-transformers 5 does), and both are written so either version loads the export. RoPE
-scaling maps onto Megatron's flags: llama3 onto --use-rope-scaling and --rope-scaling-*,
-yarn onto --rotary-scaling-factor, --yarn-* and --mscale / --mscale-all-dim. HF's yarn
-takes its cos/sin factor as mscale / mscale_all_dim only when both are set, else
-mscale(factor, 1); Megatron's formula gives the latter with --mscale 1 --mscale-all-dim 0.
+RoPE is written both as transformers 5's `rope_parameters` and as 4.x's top-level `rope_theta`
+and `rope_scaling`, so either version loads the export.
 
-Routers (shared/reference/moe.md, section 4): HF's softmax over all experts, top-k,
+Routers (transformers' MixtralSparseMoeBlock, Qwen2MoeSparseMoeBlock): HF's softmax over all experts, top-k,
 renormalise (Mixtral; Qwen's norm_topk_prob true) is Megatron's default top-k then
 softmax over the k; norm_topk_prob false is --moe-router-pre-softmax. Qwen decides which
 layers are MoE by decoder_sparse_step ((i + 1) % step == 0) and mlp_only_layers, which
@@ -32,19 +29,18 @@ from __future__ import annotations
 from typing import Any
 
 from tessera.config import ModelConfig, flag
+from tessera.config.hybrid import GATED_DELTANET, MAMBA, layer_symbols
 from tessera.config.moe import aux_loss_coefficients
-from tessera.models.rope import Llama3Scaling, YarnScaling, rope_scaling
+from tessera.interop import hf_deepseek, hf_gpt_oss, hf_mamba, hf_nemotron_h, hf_qwen3_next
+from tessera.interop.hf_fields import UnsupportedModel, hf_rope_parameters, qwen_moe_layers, rope_fields_from_hf
 
 LLAMA_LIKE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
               "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
-# Multi-latent attention families (tessera.interop.hf_deepseek): model_type -> architecture
-DEEPSEEK_FAMILIES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-                     "kimi_k2": "DeepseekV3ForCausalLM"}
-# Hybrid stacks with Mamba-2 layers (tessera.interop.hf_mamba; Nemotron-H's other layers in
-# tessera.interop.hf_nemotron_h): model_type -> architecture
-MAMBA_FAMILIES = {"mamba2": "Mamba2ForCausalLM", "nemotron_h": "NemotronHForCausalLM"}
-FAMILIES = (*LLAMA_LIKE, *DEEPSEEK_FAMILIES, *MAMBA_FAMILIES, "qwen3_next", "gpt_oss", "gpt2")
+# The families whose config fields a module of their own reads: model_type -> module
+_FAMILY_MODULES = {**dict.fromkeys(hf_deepseek.ARCHITECTURES, hf_deepseek),
+                   **{module.FAMILY: module for module in (hf_mamba, hf_nemotron_h, hf_qwen3_next, hf_gpt_oss)}}
+FAMILIES = (*LLAMA_LIKE, *_FAMILY_MODULES, "gpt2")
 _GPT2_ACTIVATIONS = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu": False}  # -> openai_gelu
 _QKV_BIAS = ("qwen2", "qwen2_moe")
 # Families whose sliding window is off unless use_sliding_window says otherwise.
@@ -66,81 +62,6 @@ _ROPE_SCALING_KEYS = ("rope_type", "type", "factor", "low_freq_factor", "high_fr
                       "truncate", "attention_factor")
 
 
-class UnsupportedModel(ValueError):
-    """The HF model uses a feature tessera's GPTModel does not compute."""
-
-
-def _rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
-    """The RoPE parameters of a config.json of either transformers version, as one dict."""
-    params = {**(hf.get("rope_parameters") or {}), **(hf.get("rope_scaling") or {})}
-    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
-    return params
-
-
-def rope_fields_from_hf(hf: dict[str, Any], default_theta: float = 10000.0, *,
-                        multi_latent_attention: bool = False) -> dict[str, Any]:
-    """ModelConfig's RoPE fields (base and scaling) of an HF config.json dict.
-
-    With multi-latent attention HF also scales the softmax by mscale(factor, mscale_all_dim)^2,
-    which Megatron's formula shares with the cos/sin factor: a yarn config whose cos/sin factor
-    HF computes without mscale_all_dim (mscale unset) cannot be said in tessera's flags.
-    """
-    params = _rope_parameters(hf)
-    kind = params["rope_type"]
-    fields: dict[str, Any] = {"rotary_base": float(params.get("rope_theta", hf.get("rope_theta", default_theta)))}
-    original = params.get("original_max_position_embeddings", hf.get("original_max_position_embeddings",
-                                                                      hf.get("max_position_embeddings")))
-    if kind == "llama3":
-        return dict(fields, use_rope_scaling=True, rope_scaling_factor=float(params["factor"]),
-                    rope_scaling_low_freq_factor=float(params["low_freq_factor"]),
-                    rope_scaling_high_freq_factor=float(params["high_freq_factor"]),
-                    rope_scaling_original_max_position_embeddings=int(original))
-    if kind != "yarn":
-        if kind != "default":
-            raise UnsupportedModel(f"rope_type '{kind}' (RoPE scaling) is not supported; tessera computes "
-                                   "llama3 and yarn")
-        return dict(fields, rope_type="rope") if multi_latent_attention else fields
-    factor = params.get("factor") or hf["max_position_embeddings"] / original   # HF's fallback
-    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
-    if not (mscale and mscale_all_dim):
-        if multi_latent_attention and mscale_all_dim:
-            raise UnsupportedModel(f"yarn mscale_all_dim {mscale_all_dim} without mscale is not supported with "
-                                   "multi-latent attention (set both)")
-        mscale, mscale_all_dim = 1.0, 0.0
-    yarn = dict(fields, rope_type="yarn", rotary_scaling_factor=float(factor),
-                yarn_original_max_position_embeddings=int(original),
-                yarn_beta_fast=float(params.get("beta_fast") or 32.0),
-                yarn_beta_slow=float(params.get("beta_slow") or 1.0),
-                yarn_correction_range_round_to_int=bool(params.get("truncate", True)),
-                mscale=float(mscale), mscale_all_dim=float(mscale_all_dim))
-    if params.get("attention_factor") is not None:
-        expected = YarnScaling(factor, int(original), mscale=float(mscale), mscale_all_dim=float(mscale_all_dim))
-        if abs(params["attention_factor"] - expected.attention_factor) > 1e-12:
-            raise UnsupportedModel(f"yarn attention_factor {params['attention_factor']} is not supported (tessera "
-                                   f"derives {expected.attention_factor} from factor, mscale and mscale_all_dim)")
-    return yarn
-
-
-def hf_rope_parameters(model: ModelConfig) -> dict[str, Any]:
-    """transformers 5's `rope_parameters` of a tessera model (with rope_theta)."""
-    scaling = rope_scaling(model)
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": model.rotary_base}
-    if isinstance(scaling, Llama3Scaling):
-        rope.update(rope_type="llama3", factor=scaling.factor, low_freq_factor=scaling.low_freq_factor,
-                    high_freq_factor=scaling.high_freq_factor,
-                    original_max_position_embeddings=scaling.original_max_positions)
-    elif isinstance(scaling, YarnScaling):
-        rope.update(rope_type="yarn", factor=scaling.factor,
-                    original_max_position_embeddings=scaling.original_max_positions, beta_fast=scaling.beta_fast,
-                    beta_slow=scaling.beta_slow, truncate=scaling.round_to_int)
-        if scaling.mscale and scaling.mscale_all_dim:
-            rope.update(mscale=scaling.mscale, mscale_all_dim=scaling.mscale_all_dim)
-        elif (scaling.mscale, scaling.mscale_all_dim) != (1.0, 0.0):   # HF's fallback: mscale(factor, 1)
-            raise UnsupportedModel(f"--mscale {scaling.mscale} with --mscale-all-dim {scaling.mscale_all_dim} has no "
-                                   "Hugging Face equivalent (HF needs both nonzero, or --mscale 1 --mscale-all-dim 0)")
-    return rope
-
-
 def model_config_from_hf(hf: dict[str, Any], *, vocab_multiple: int = 128) -> ModelConfig:
     """The tessera ModelConfig of an HF config.json dict.
 
@@ -150,22 +71,8 @@ def model_config_from_hf(hf: dict[str, Any], *, vocab_multiple: int = 128) -> Mo
     family = hf.get("model_type")
     if family == "gpt2":
         return _gpt2_config(hf, vocab_multiple)
-    if family in DEEPSEEK_FAMILIES:
-        from tessera.interop import hf_deepseek   # it builds on this module
-
-        return hf_deepseek.model_config_from_hf(hf, vocab_multiple)
-    if family in MAMBA_FAMILIES:
-        from tessera.interop import hf_mamba   # it builds on this module
-
-        return hf_mamba.model_config_from_hf(hf, vocab_multiple)
-    if family == "qwen3_next":
-        from tessera.interop import hf_qwen3_next   # it builds on this module
-
-        return hf_qwen3_next.model_config_from_hf(hf, vocab_multiple)
-    if family == "gpt_oss":
-        from tessera.interop import hf_gpt_oss   # it builds on this module
-
-        return hf_gpt_oss.model_config_from_hf(hf, vocab_multiple)
+    if family in _FAMILY_MODULES:
+        return _FAMILY_MODULES[family].model_config_from_hf(hf, vocab_multiple)
     if family not in LLAMA_LIKE:
         raise UnsupportedModel(f"model_type '{family}' is not supported; tessera converts {', '.join(FAMILIES)}")
     defaults = _DEFAULTS.get(family, {})
@@ -247,13 +154,6 @@ def _num_experts(hf: dict[str, Any]) -> int:
     return experts
 
 
-def qwen_moe_layers(step: int, mlp_only_layers: list[int], num_layers: int) -> list[bool]:
-    """Per layer, whether Qwen's decoder_sparse_step and mlp_only_layers make it a MoE layer."""
-    if not isinstance(step, int) or step < 1:
-        raise UnsupportedModel(f"decoder_sparse_step {step!r} is not supported (a positive int is needed)")
-    return [(i + 1) % step == 0 and i not in mlp_only_layers for i in range(num_layers)]
-
-
 def layer_freq(moe_layers: list[bool]) -> str:
     """--moe-layer-freq of a per-layer pattern: "1" when every layer is MoE (the presets' value,
     so a preset run can load the import), else an explicit list such as "[1,0,1]"."""
@@ -287,18 +187,15 @@ def infer_family(model: ModelConfig) -> str:
     """The HF family that computes what this tessera config computes; else one line naming the
     feature that none of them has."""
     if model.hybrid_layer_pattern is not None:
-        from tessera.interop import hf_mamba, hf_qwen3_next
-
-        if "G" in model.hybrid_layer_pattern:   # Gated DeltaNet layers
+        symbols = set(layer_symbols(model.hybrid_layer_pattern))
+        if GATED_DELTANET in symbols:
             return hf_qwen3_next.family_of(model)
-        return hf_mamba.family_of(model)
+        if symbols == {MAMBA}:
+            return hf_mamba.family_of(model)
+        return hf_nemotron_h.family_of(model)   # Mamba-2 layers among others
     if model.multi_latent_attention:
-        from tessera.interop import hf_deepseek
-
         return hf_deepseek.family_of(model)
     if model.softmax_type != "vanilla" or model.quick_geglu or model.window_size is not None:
-        from tessera.interop import hf_gpt_oss
-
         hf_gpt_oss.check_model(model)
         return hf_gpt_oss.FAMILY
     if model.position_embedding_type == "learned_absolute":
@@ -367,13 +264,11 @@ def hf_config_from_model(model: ModelConfig, family: str, base: dict[str, Any] |
     hf = dict(base or {})
     if base is not None and base.get("model_type") != family:
         hf = {}  # another family's fields would not mean the same thing
-    if family in MAMBA_FAMILIES:
-        from tessera.interop import hf_mamba
-
-        hf_mamba.write_fields(hf, model, family)
-    elif family == "qwen3_next":
-        from tessera.interop import hf_qwen3_next
-
+    if family == hf_mamba.FAMILY:
+        hf_mamba.write_fields(hf, model)
+    elif family == hf_nemotron_h.FAMILY:
+        hf_nemotron_h.write_fields(hf, model)
+    elif family == hf_qwen3_next.FAMILY:
         hf_qwen3_next.write_fields(hf, model, float(sum(aux_loss_coefficients(model).values())))
     elif family == "gpt2":
         hf.update(
@@ -383,9 +278,7 @@ def hf_config_from_model(model: ModelConfig, family: str, base: dict[str, Any] |
             activation_function="gelu_new" if model.openai_gelu else "gelu", tie_word_embeddings=True,
             resid_pdrop=model.hidden_dropout, embd_pdrop=model.hidden_dropout, attn_pdrop=model.attention_dropout,
         )
-    elif family == "gpt_oss":
-        from tessera.interop import hf_gpt_oss
-
+    elif family == hf_gpt_oss.FAMILY:
         hf_gpt_oss.write_fields(hf, model, float(sum(aux_loss_coefficients(model).values())))
     else:
         rope = hf_rope_parameters(model)
@@ -408,9 +301,7 @@ def hf_config_from_model(model: ModelConfig, family: str, base: dict[str, Any] |
             hf.setdefault("sliding_window", None)
         if family in MOE_FAMILIES:
             _write_moe_fields(hf, model, family)
-        if family in DEEPSEEK_FAMILIES:
-            from tessera.interop import hf_deepseek
-
+        if family in hf_deepseek.ARCHITECTURES:
             hf_deepseek.write_fields(hf, model, family)
     hf["initializer_range"] = model.init_method_std
     hf["dtype"] = hf["torch_dtype"] = dtype

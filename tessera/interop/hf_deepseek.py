@@ -37,8 +37,12 @@ from typing import Any
 import torch
 
 from tessera.config import ModelConfig, flag
-from tessera.interop.hf_config import DEEPSEEK_FAMILIES, UnsupportedModel, rope_fields_from_hf
+from tessera.interop.hf_fields import V3_GROUP_SCORE_EXPERTS, UnsupportedModel, check_sigmoid_renormalisation, \
+    group_router_fields, rope_fields_from_hf
 
+# The multi-latent attention families: model_type -> architecture
+ARCHITECTURES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                 "kimi_k2": "DeepseekV3ForCausalLM"}
 V3_ROUTER = ("deepseek_v3", "kimi_k2")   # the families with DeepSeek-V3's sigmoid router and expert bias
 HF_LATENT_NORM_EPSILON = 1e-6   # DeepseekV2/V3RMSNorm's default, which the latent norms are built with
 # HF attention module name -> tessera's (tessera.models.mla)
@@ -115,26 +119,18 @@ def _moe_fields(hf: dict[str, Any], router: str, layers: int) -> dict[str, Any]:
                   moe_shared_expert_intermediate_size=shared * hf["moe_intermediate_size"],
                   moe_layer_freq=dense_prefix_pattern(dense, layers), moe_router_dtype="fp32",
                   moe_router_topk_scaling_factor=None if scaling == 1.0 else scaling)
-    groups, group_topk = hf.get("n_group") or 1, hf.get("topk_group") or 1
     if router == "v3":
-        if bool(hf.get("norm_topk_prob", True)) != (topk > 1):
-            raise UnsupportedModel(f"norm_topk_prob {hf.get('norm_topk_prob')} with num_experts_per_tok {topk} is not "
-                                   "supported: Megatron's sigmoid router renormalises exactly when it picks several")
-        fields.update(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
-        per_group = 2   # HF scores a group by its best two experts
-    else:
-        method = hf.get("topk_method", "greedy")
-        if method not in ("greedy", "group_limited_greedy"):
-            raise UnsupportedModel(f"topk_method '{method}' is not supported (DeepSeek-V2's are greedy and "
-                                   "group_limited_greedy)")
-        fields["moe_router_pre_softmax"] = True
-        groups, per_group = (groups, 1) if method == "group_limited_greedy" else (1, 1)
-    if groups > 1:
-        if topk // group_topk != per_group:
-            raise UnsupportedModel(f"n_group {groups} / topk_group {group_topk} with num_experts_per_tok {topk} is not "
-                                   f"supported: HF scores a group by its best {per_group}, Megatron's router by its "
-                                   f"best num_experts_per_tok // topk_group = {topk // group_topk}")
-        fields.update(moe_router_num_groups=groups, moe_router_group_topk=group_topk)
+        check_sigmoid_renormalisation(hf, topk)
+        fields.update(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                      **group_router_fields(hf, topk, V3_GROUP_SCORE_EXPERTS))
+        return fields
+    method = hf.get("topk_method", "greedy")
+    if method not in ("greedy", "group_limited_greedy"):
+        raise UnsupportedModel(f"topk_method '{method}' is not supported (DeepSeek-V2's are greedy and "
+                               "group_limited_greedy)")
+    fields["moe_router_pre_softmax"] = True
+    if method == "group_limited_greedy":   # groups scored by their best expert; greedy ignores n_group
+        fields.update(group_router_fields(hf, topk, 1))
     return fields
 
 
@@ -174,7 +170,7 @@ def family_of(model: ModelConfig) -> str:
 def write_fields(hf: dict[str, Any], model: ModelConfig, family: str) -> None:
     """The DeepSeek fields of `model` into `hf`, which holds the Llama-like ones (and the imported config's)."""
     heads = model.num_attention_heads
-    hf.update(architectures=[DEEPSEEK_FAMILIES[family]], num_key_value_heads=heads, q_lora_rank=model.q_lora_rank,
+    hf.update(architectures=[ARCHITECTURES[family]], num_key_value_heads=heads, q_lora_rank=model.q_lora_rank,
               kv_lora_rank=model.kv_lora_rank, qk_nope_head_dim=model.qk_head_dim,
               qk_rope_head_dim=model.qk_pos_emb_head_dim, v_head_dim=model.v_head_dim,
               qk_head_dim=model.qk_head_dim + model.qk_pos_emb_head_dim, head_dim=model.qk_pos_emb_head_dim,
@@ -210,9 +206,10 @@ def _write_router(hf: dict[str, Any], model: ModelConfig, family: str) -> None:
                                "n_shared_experts routed experts wide")
     topk, groups, group_topk = model.moe_router_topk, model.moe_router_num_groups, model.moe_router_group_topk
     v3 = _router(family) == "v3"
-    if groups and topk // group_topk != (2 if v3 else 1):
+    per_group = V3_GROUP_SCORE_EXPERTS if v3 else 1
+    if groups and topk // group_topk != per_group:
         raise UnsupportedModel(f"--moe-router-topk {topk} with --moe-router-group-topk {group_topk} has no "
-                               f"{family} equivalent: its router scores a group by its best {2 if v3 else 1}")
+                               f"{family} equivalent: its router scores a group by its best {per_group}")
     hf.update(n_routed_experts=model.num_experts, num_experts_per_tok=topk, moe_intermediate_size=expert_ffn,
               n_shared_experts=shared // expert_ffn, routed_scaling_factor=model.moe_router_topk_scaling_factor or 1.0,
               n_group=groups or 1, topk_group=group_topk or 1, norm_topk_prob=v3 and topk > 1)

@@ -12,7 +12,7 @@ Config, in Megatron's flags:
       alpha gate) * (up + 1)                  quick-GELU's)
     router: linear with bias, top-k of the    --num-experts, --moe-router-topk (softmax over the k,
       logits, softmax over the k              Megatron's default)
-    rope_parameters yarn (truncate false)     --position-embedding-type yarn ... (tessera.interop.hf_config)
+    rope_parameters yarn (truncate false)     --position-embedding-type yarn ... (tessera.interop.hf_fields)
 
 Tensors: HF's experts are fused and transposed, with gate and up interleaved along the last
 dimension (gate_up_proj [E, H, 2I]: gate at even columns, up at odd; down_proj [E, I, H]);
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from tessera.config import ModelConfig, flag
-from tessera.interop.hf_config import UnsupportedModel, hf_rope_parameters, rope_fields_from_hf
+from tessera.interop.hf_fields import UnsupportedModel, hf_rope_parameters, rope_fields_from_hf
 from tessera.models.gated_activation import QUICK_GELU_ALPHA
 
 FAMILY, ARCHITECTURE = "gpt_oss", "GptOssForCausalLM"

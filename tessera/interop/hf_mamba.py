@@ -1,7 +1,8 @@
 """Hugging Face Mamba-2 (`Mamba2ForCausalLM`) <-> tessera: a hybrid stack of Mamba-2 layers only
 (--hybrid-layer-pattern "MMM..."), the config fields and the tensors. Nemotron-H
-(`NemotronHForCausalLM`) shares the backbone's tensor names, mixer included: its config and its
-attention, MLP and MoE layers are tessera.interop.hf_nemotron_h's.
+(`NemotronHForCausalLM`, tessera.interop.hf_nemotron_h) builds on this module: it shares the
+backbone's tensor names and the mixer's, and maps its other layers through the backbone mapping's
+`layer_from_hf` / `layer_to_hf` arguments, so this module knows nothing of it.
 
     num_heads, head_dim, state_size, n_groups       --mamba-num-heads, --mamba-head-dim,
                                                     --mamba-state-dim, --mamba-num-groups
@@ -24,27 +25,25 @@ only changes rounding (the scan is exact in any chunking), so it is not carried.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from tessera.config import ModelConfig
 from tessera.config.hybrid import MAMBA, layer_symbols
-from tessera.interop.hf_config import MAMBA_FAMILIES, UnsupportedModel
+from tessera.interop.hf_fields import UnsupportedModel
 from tessera.models.mamba import CONV_KERNEL
 
+FAMILY, ARCHITECTURE = "mamba2", "Mamba2ForCausalLM"
 _MIXER = {"in_proj.weight": "in_proj.weight", "in_proj.bias": "in_proj.bias", "conv1d.weight": "conv_weight",
           "conv1d.bias": "conv_bias", "dt_bias": "dt_bias", "A_log": "A_log", "D": "D",
           "norm.weight": "norm_weight", "out_proj.weight": "out_proj.weight", "out_proj.bias": "out_proj.bias"}
 _SEQ_LENGTH = 4096   # Mamba-2 has no position table; a training length to start from
-_BACKBONE, _IN_MEMORY = "backbone.", "model."
+# (hf, src, dst, symbol, model) -> the tessera tensors (or, to HF, HF's) of one layer's body
+LayerMapping = Callable[[dict[str, torch.Tensor], str, str, str, ModelConfig], dict[str, torch.Tensor]]
 
 
 def model_config_from_hf(hf: dict[str, Any], vocab_multiple: int) -> ModelConfig:
-    if hf["model_type"] == "nemotron_h":
-        from tessera.interop import hf_nemotron_h   # it builds on this module
-
-        return hf_nemotron_h.model_config_from_hf(hf, vocab_multiple)
     refuse_mixer_differences(hf)
     hidden, heads, head_dim = hf["hidden_size"], hf["num_heads"], hf["head_dim"]
     if hf.get("expand", 2) * hidden != heads * head_dim:
@@ -79,27 +78,16 @@ def refuse_mixer_differences(hf: dict[str, Any], activation: str = "hidden_act")
 
 
 def family_of(model: ModelConfig) -> str:
-    """mamba2 for a stack of Mamba-2 layers only, nemotron_h with other layers beside them; else one
-    line naming what no family has."""
-    symbols = set(layer_symbols(model.hybrid_layer_pattern))
-    if symbols != {MAMBA}:
-        from tessera.interop import hf_nemotron_h
-
-        return hf_nemotron_h.family_of(model)
+    """mamba2 for a stack of Mamba-2 layers only (hf_config sends the others to Nemotron-H); else
+    one line naming what Mamba-2 lacks."""
     if model.normalization != "RMSNorm":
         raise UnsupportedModel("--normalization LayerNorm has no Hugging Face equivalent: Mamba-2 uses RMSNorm")
-    return "mamba2"
+    return FAMILY
 
 
-def write_fields(hf: dict[str, Any], model: ModelConfig, family: str) -> None:
-    """The Mamba2Config (or NemotronHConfig) fields of `model` into `hf` (which holds the imported
-    config's, if any)."""
-    if family == "nemotron_h":
-        from tessera.interop import hf_nemotron_h
-
-        hf_nemotron_h.write_fields(hf, model)
-        return
-    hf.update(architectures=[MAMBA_FAMILIES[family]], model_type=family, num_hidden_layers=model.num_layers,
+def write_fields(hf: dict[str, Any], model: ModelConfig) -> None:
+    """The Mamba2Config fields of `model` into `hf` (which holds the imported config's, if any)."""
+    hf.update(architectures=[ARCHITECTURE], model_type=FAMILY, num_hidden_layers=model.num_layers,
               hidden_size=model.hidden_size, num_heads=model.mamba_num_heads, head_dim=model.mamba_head_dim,
               expand=model.mamba_num_heads * model.mamba_head_dim // model.hidden_size,
               state_size=model.mamba_state_dim, n_groups=model.mamba_num_groups, conv_kernel=CONV_KERNEL,
@@ -108,47 +96,43 @@ def write_fields(hf: dict[str, Any], model: ModelConfig, family: str) -> None:
     hf.setdefault("time_step_limit", [0.0, float("inf")])   # the imported one's spelling, when there is one
 
 
-def state_from_hf(hf: dict[str, torch.Tensor], model: ModelConfig, pad_rows) -> dict[str, torch.Tensor]:
-    hf = {_BACKBONE + name.removeprefix(_IN_MEMORY) if name.startswith(_IN_MEMORY) else name: tensor
-          for name, tensor in hf.items()}   # transformers' NemotronH names its backbone `model.` in memory
+def state_from_hf(hf: dict[str, torch.Tensor], model: ModelConfig, pad_rows,
+                  layer_from_hf: LayerMapping | None = None) -> dict[str, torch.Tensor]:
+    """tessera's tensors of a backbone whose layers' bodies `layer_from_hf` maps (Mamba-2's mixers by default)."""
+    layer_from_hf = layer_from_hf or mixer_from_hf
     vocab = model.padded_vocab_size()
     out = {"embedding.weight": pad_rows(hf["backbone.embeddings.weight"], vocab),
            "final_norm.weight": hf["backbone.norm_f.weight"]}
     for i, symbol in enumerate(layer_symbols(model.hybrid_layer_pattern)):
         src, dst = f"backbone.layers.{i}.", f"layers.{i}."
         out[dst + "input_norm.weight"] = hf[src + "norm.weight"]
-        out.update(_layer_mapping(symbol)[0](hf, src + "mixer.", dst, symbol, model))
+        out.update(layer_from_hf(hf, src + "mixer.", dst, symbol, model))
     if model.untie_embeddings_and_output_weights:
         out["output_weight"] = pad_rows(hf["lm_head.weight"], vocab)
     return out
 
 
-def state_to_hf(state: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
+def state_to_hf(state: dict[str, torch.Tensor], model: ModelConfig,
+                layer_to_hf: LayerMapping | None = None) -> dict[str, torch.Tensor]:
+    """HF's tensors of a backbone whose layers' bodies `layer_to_hf` maps (Mamba-2's mixers by default)."""
+    layer_to_hf = layer_to_hf or mixer_to_hf
     vocab = model.vocab_size
     out = {"backbone.embeddings.weight": state["embedding.weight"][:vocab],
            "backbone.norm_f.weight": state["final_norm.weight"]}
     for i, symbol in enumerate(layer_symbols(model.hybrid_layer_pattern)):
         src, dst = f"layers.{i}.", f"backbone.layers.{i}."
         out[dst + "norm.weight"] = state[src + "input_norm.weight"]
-        out.update(_layer_mapping(symbol)[1](state, src, dst + "mixer.", symbol, model))
+        out.update(layer_to_hf(state, src, dst + "mixer.", symbol, model))
     if model.untie_embeddings_and_output_weights:
         out["lm_head.weight"] = state["output_weight"][:vocab]
     return out
 
 
-def _layer_mapping(symbol: str):
-    """(from HF, to HF) of a layer's body: the Mamba-2 mixer's here, Nemotron-H's other layers there."""
-    if symbol == MAMBA:
-        return _mixer_from_hf, _mixer_to_hf
-    from tessera.interop import hf_nemotron_h
-
-    return hf_nemotron_h.layer_from_hf, hf_nemotron_h.layer_to_hf
-
-
-def _mixer_from_hf(hf: dict[str, torch.Tensor], src: str, dst: str, symbol: str, model: ModelConfig) -> dict:
+def mixer_from_hf(hf: dict[str, torch.Tensor], src: str, dst: str, symbol: str, model: ModelConfig) -> dict:
+    """A Mamba-2 mixer's tensors (HF module `src`) under tessera layer `dst`."""
     return {f"{dst}mixer.{name}": hf[src + hf_name] for hf_name, name in _MIXER.items() if src + hf_name in hf}
 
 
-def _mixer_to_hf(state: dict[str, torch.Tensor], src: str, dst: str, symbol: str, model: ModelConfig) -> dict:
+def mixer_to_hf(state: dict[str, torch.Tensor], src: str, dst: str, symbol: str, model: ModelConfig) -> dict:
     return {dst + hf_name: state[f"{src}mixer.{name}"] for hf_name, name in _MIXER.items()
             if f"{src}mixer.{name}" in state}

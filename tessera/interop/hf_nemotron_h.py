@@ -20,7 +20,7 @@ for the 8B (examples/post_training/modelopt/conf/nvidia/Nemotron-H-8B-Base-8K.sh
 its training scripts (examples/rl/model_configs/nemotron5_8b.sh) pass --position-embedding-type none.
 
 Tensors: the embedding, the norms, the Mamba-2 mixers and the output layer as Mamba2ForCausalLM's
-(tessera.interop.hf_mamba); attention's q, k and v rows fused into qkv; the MLPs' up_proj and
+(tessera.interop.hf_mamba, whose backbone mapping this module hands its own layers); attention's q, k and v rows fused into qkv; the MLPs' up_proj and
 down_proj are fc1 and fc2; the experts per expert on disk, as transformers writes them (its fused
 [E, I, H] / [E, H, I] in memory is read too). Checkpoints name the backbone `backbone.`, transformers
 `model.` in memory: both are read, `backbone.` written. Import and export are exact.
@@ -39,10 +39,11 @@ import torch
 
 from tessera.config import ModelConfig, flag
 from tessera.config.hybrid import ATTENTION, MAMBA, MLP, MOE, layer_symbols
-from tessera.interop.hf_config import MAMBA_FAMILIES, UnsupportedModel
-from tessera.interop.hf_mamba import refuse_mixer_differences
+from tessera.interop import hf_mamba
+from tessera.interop.hf_fields import V3_GROUP_SCORE_EXPERTS, UnsupportedModel, check_sigmoid_renormalisation, \
+    group_router_fields
 
-FAMILY = "nemotron_h"
+FAMILY, ARCHITECTURE = "nemotron_h", "NemotronHForCausalLM"
 _SYMBOLS = {"linear_attention": MAMBA, "mamba": MAMBA, "full_attention": ATTENTION, "attention": ATTENTION,
             "mlp": MLP, "moe": MOE}
 _LAYER_TYPES = {MAMBA: "linear_attention", ATTENTION: "full_attention", MLP: "mlp", MOE: "moe"}
@@ -53,7 +54,7 @@ _BLOCKS = {"normalization": "RMSNorm", "position_embedding_type": "none", "disab
            "window_size": None, "mtp_num_layers": None, "untie_embeddings_and_output_weights": True}
 _MOE_BLOCKS = {"squared_relu": True, "moe_router_score_function": "sigmoid", "moe_router_pre_softmax": False,
                "moe_shared_expert_gate": False, "moe_expert_capacity_factor": None}
-_GROUP_SCORE_EXPERTS = 2   # HF scores an expert group by the sum of its best two
+_BACKBONE, _IN_MEMORY = "backbone.", "model."   # checkpoints' name of the backbone, transformers' in memory
 
 
 # -- config.json <-> ModelConfig ---------------------------------------------------------------
@@ -79,7 +80,7 @@ def model_config_from_hf(hf: dict[str, Any], vocab_multiple: int) -> ModelConfig
 
 
 def _refuse_what_tessera_computes_differently(hf: dict[str, Any]) -> None:
-    refuse_mixer_differences(hf, activation="mamba_hidden_act")
+    hf_mamba.refuse_mixer_differences(hf, activation="mamba_hidden_act")
     problems = [
         (hf.get("mlp_hidden_act", "relu2") != "relu2",
          f"mlp_hidden_act '{hf.get('mlp_hidden_act')}' is not supported (tessera's --squared-relu is relu2)"),
@@ -114,22 +115,13 @@ def _pattern(hf: dict[str, Any]) -> str:
 
 def _moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
     topk, scaling = hf.get("num_experts_per_tok", 2), float(hf.get("routed_scaling_factor", 1.0))
-    if bool(hf.get("norm_topk_prob", True)) != (topk > 1):
-        raise UnsupportedModel(f"norm_topk_prob {hf.get('norm_topk_prob')} with num_experts_per_tok {topk} is not "
-                               "supported: Megatron's sigmoid router renormalises exactly when it picks several")
-    fields = dict(num_experts=hf.get("n_routed_experts", 8), moe_router_topk=topk,
-                  moe_ffn_hidden_size=hf.get("moe_intermediate_size", 7688),
-                  moe_shared_expert_intermediate_size=hf.get("moe_shared_expert_intermediate_size", 7688),
-                  moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_dtype="fp32",
-                  moe_router_topk_scaling_factor=None if scaling == 1.0 else scaling)
-    groups, group_topk = hf.get("n_group") or 1, hf.get("topk_group") or 1
-    if groups > 1:
-        if topk // group_topk != _GROUP_SCORE_EXPERTS:
-            raise UnsupportedModel(f"n_group {groups} / topk_group {group_topk} with num_experts_per_tok {topk} is not "
-                                   f"supported: HF scores a group by its best {_GROUP_SCORE_EXPERTS}, Megatron's "
-                                   f"router by its best num_experts_per_tok // topk_group = {topk // group_topk}")
-        fields.update(moe_router_num_groups=groups, moe_router_group_topk=group_topk)
-    return fields
+    check_sigmoid_renormalisation(hf, topk)
+    return dict(num_experts=hf.get("n_routed_experts", 8), moe_router_topk=topk,
+                moe_ffn_hidden_size=hf.get("moe_intermediate_size", 7688),
+                moe_shared_expert_intermediate_size=hf.get("moe_shared_expert_intermediate_size", 7688),
+                moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_dtype="fp32",
+                moe_router_topk_scaling_factor=None if scaling == 1.0 else scaling,
+                **group_router_fields(hf, topk, V3_GROUP_SCORE_EXPERTS))
 
 
 def family_of(model: ModelConfig) -> str:
@@ -150,10 +142,10 @@ def family_of(model: ModelConfig) -> str:
                                    f"needs {value}")
     if MOE in symbols and not model.moe_shared_expert_intermediate_size:
         raise UnsupportedModel("Nemotron-H's MoE layers need --moe-shared-expert-intermediate-size")
-    if model.moe_router_num_groups and model.moe_router_topk // model.moe_router_group_topk != _GROUP_SCORE_EXPERTS:
+    if model.moe_router_num_groups and model.moe_router_topk // model.moe_router_group_topk != V3_GROUP_SCORE_EXPERTS:
         raise UnsupportedModel(f"--moe-router-group-topk {model.moe_router_group_topk} with --moe-router-topk "
                                f"{model.moe_router_topk} has no Hugging Face equivalent: Nemotron-H scores a group by "
-                               f"its best {_GROUP_SCORE_EXPERTS} experts")
+                               f"its best {V3_GROUP_SCORE_EXPERTS} experts")
     return FAMILY
 
 
@@ -161,7 +153,7 @@ def write_fields(hf: dict[str, Any], model: ModelConfig) -> None:
     """The NemotronHConfig fields of `model` into `hf` (which holds the imported config's, if any)."""
     family_of(model)
     pattern = "".join(layer_symbols(model.hybrid_layer_pattern))
-    hf.update(architectures=[MAMBA_FAMILIES[FAMILY]], model_type=FAMILY,
+    hf.update(architectures=[ARCHITECTURE], model_type=FAMILY,
               layers_block_type=[_LAYER_TYPES[symbol] for symbol in pattern], hidden_size=model.hidden_size,
               intermediate_size=model.ffn_hidden_size, num_attention_heads=model.num_attention_heads,
               num_key_value_heads=model.num_query_groups, head_dim=model.kv_channels,
@@ -184,10 +176,22 @@ def write_fields(hf: dict[str, Any], model: ModelConfig) -> None:
                   norm_topk_prob=model.moe_router_topk > 1, moe_latent_size=None)
 
 
-# -- one layer's tensors (the backbone's are tessera.interop.hf_mamba's) -------------------------
+# -- tensors: the backbone is tessera.interop.hf_mamba's, its layers' bodies are these ------------
+
+def state_from_hf(hf: dict[str, torch.Tensor], model: ModelConfig, pad_rows) -> dict[str, torch.Tensor]:
+    hf = {_BACKBONE + name.removeprefix(_IN_MEMORY) if name.startswith(_IN_MEMORY) else name: tensor
+          for name, tensor in hf.items()}
+    return hf_mamba.state_from_hf(hf, model, pad_rows, layer_from_hf)
+
+
+def state_to_hf(state: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
+    return hf_mamba.state_to_hf(state, model, layer_to_hf)
+
 
 def layer_from_hf(hf: dict[str, torch.Tensor], src: str, dst: str, symbol: str, model: ModelConfig) -> dict:
-    """Layer `dst`'s tensors (but its norm) from HF's mixer module `src` of an attention, MLP or MoE layer."""
+    """Layer `dst`'s tensors (but its norm) from HF's mixer module `src`, whatever the layer's kind."""
+    if symbol == MAMBA:
+        return hf_mamba.mixer_from_hf(hf, src, dst, symbol, model)
     if symbol == ATTENTION:
         return {dst + "attention.qkv.weight": torch.cat([hf[f"{src}{p}_proj.weight"] for p in "qkv"]),
                 dst + "attention.proj.weight": hf[src + "o_proj.weight"]}
@@ -206,7 +210,9 @@ def layer_from_hf(hf: dict[str, torch.Tensor], src: str, dst: str, symbol: str, 
 
 
 def layer_to_hf(state: dict[str, torch.Tensor], src: str, dst: str, symbol: str, model: ModelConfig) -> dict:
-    """HF's mixer module `dst` of layer `src` (an attention, MLP or MoE layer), per expert as on disk."""
+    """HF's mixer module `dst` of layer `src`, whatever the layer's kind (experts per expert, as on disk)."""
+    if symbol == MAMBA:
+        return hf_mamba.mixer_to_hf(state, src, dst, symbol, model)
     if symbol == ATTENTION:
         q, kv = model.num_attention_heads * model.kv_channels, model.num_query_groups * model.kv_channels
         parts = state[src + "attention.qkv.weight"].split([q, kv, kv])

@@ -39,7 +39,8 @@ from torch import nn
 
 from tessera.config import ConfigError, ModelConfig
 from tessera.interop.hf import _SHARED_EXPERTS
-from tessera.interop.hf_config import LLAMA_LIKE, UnsupportedModel, infer_family
+from tessera.interop.hf_config import LLAMA_LIKE, infer_family
+from tessera.interop.hf_fields import UnsupportedModel
 from tessera.posttrain.lora import adapter_state, adapters, attach_adapters, is_adapter_parameter
 from tessera.posttrain.lora_targets import sites, whole_model_sites
 

@@ -32,8 +32,7 @@ import torch
 
 from tessera.config import ModelConfig, flag
 from tessera.config.hybrid import ATTENTION, GATED_DELTANET, MLP, MOE, layer_symbols
-from tessera.interop.hf_config import UnsupportedModel, hf_rope_parameters, layer_freq, qwen_moe_layers, \
-    rope_fields_from_hf
+from tessera.interop.hf_fields import UnsupportedModel, hf_rope_parameters, qwen_moe_layers, rope_fields_from_hf
 
 FAMILY, ARCHITECTURE = "qwen3_next", "Qwen3NextForCausalLM"
 _LINEAR, _FULL = "linear_attention", "full_attention"

@@ -38,7 +38,8 @@ def checkpoint_model_values(path: str | os.PathLike, flag: str) -> dict[str, Any
     from tessera.training.checkpoint_files import saved_run_config
 
     if is_hf_dir(path):
-        from tessera.interop.hf_config import UnsupportedModel, model_config_from_hf
+        from tessera.interop.hf_config import model_config_from_hf
+        from tessera.interop.hf_fields import UnsupportedModel
 
         try:
             return dataclasses.asdict(model_config_from_hf(json.loads((Path(path) / "config.json").read_text())))

@@ -12,7 +12,8 @@ import transformers
 
 from tessera.cli import run
 from tessera.interop.hf import load_hf, read_hf_dir
-from tessera.interop.hf_config import UnsupportedModel, model_config_from_hf
+from tessera.interop.hf_config import model_config_from_hf
+from tessera.interop.hf_fields import UnsupportedModel
 
 VOCAB = 101  # not a multiple of anything: exercises padding on import and cutting on export
 _LLAMA = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -23,7 +23,8 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Decod
 from tessera.cli import run
 from tessera.config import ModelConfig
 from tessera.interop.hf import hf_state_from_tessera, load_hf, read_hf_dir
-from tessera.interop.hf_config import UnsupportedModel, hf_config_from_model, infer_family, model_config_from_hf
+from tessera.interop.hf_config import hf_config_from_model, infer_family, model_config_from_hf
+from tessera.interop.hf_fields import UnsupportedModel
 from tessera.models.mtp import shift_left
 from tessera.models.presets import preset_values
 from tests.interop.test_hf_moe import assert_routes_alike, widened

@@ -15,7 +15,8 @@ import transformers
 from tessera.cli import run
 from tessera.inference.generate import generate
 from tessera.interop.hf import load_hf, read_hf_dir
-from tessera.interop.hf_config import UnsupportedModel, infer_family, model_config_from_hf
+from tessera.interop.hf_config import infer_family, model_config_from_hf
+from tessera.interop.hf_fields import UnsupportedModel
 from tessera.models.presets import preset_values
 from tessera.config import ModelConfig
 

@@ -20,9 +20,8 @@ import transformers
 from tessera.cli import run
 from tessera.config import ModelConfig
 from tessera.interop.hf import load_hf, read_hf_dir
-from tessera.interop.hf_config import (
-    UnsupportedModel, hf_config_from_model, infer_family, model_config_from_hf, qwen_moe_layers,
-)
+from tessera.interop.hf_config import hf_config_from_model, infer_family, model_config_from_hf
+from tessera.interop.hf_fields import UnsupportedModel, qwen_moe_layers
 from tessera.models.gpt import GPTModel
 from tessera.models.moe import grouped_mm_available
 from tests.interop.test_hf_presets import wide_model

@@ -10,7 +10,8 @@ import transformers
 from tessera.cli import run
 from tessera.config import ModelConfig
 from tessera.interop.hf import load_hf, read_hf_dir, tessera_state_from_hf
-from tessera.interop.hf_config import UnsupportedModel, hf_config_from_model, model_config_from_hf
+from tessera.interop.hf_config import hf_config_from_model, model_config_from_hf
+from tessera.interop.hf_fields import UnsupportedModel
 from tessera.models.presets import preset_values
 
 VOCAB = 101   # not a multiple of anything: padded on import, cut on export

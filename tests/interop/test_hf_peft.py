@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from tessera.config import ConfigError, ModelConfig
 from tessera.config.posttrain import PostTrainConfig
-from tessera.interop.hf import tessera_to_hf
+from tessera.interop.hf_checkpoint import tessera_to_hf
 from tessera.interop.hf_peft import export_peft, import_peft
 from tessera.models.gpt import GPTModel, initialize_parameters
 from tessera.models.presets import PRESETS

@@ -9,7 +9,8 @@ import transformers
 
 from tessera.cli import run
 from tessera.interop.hf import load_hf, read_hf_dir
-from tessera.interop.hf_config import UnsupportedModel, hf_config_from_model, model_config_from_hf
+from tessera.interop.hf_config import hf_config_from_model, model_config_from_hf
+from tessera.interop.hf_fields import UnsupportedModel
 
 VOCAB = 101   # not a multiple of anything: padded on import, cut on export
 

@@ -11,9 +11,8 @@ import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from tessera.config import ModelConfig
-from tessera.interop.hf_config import (
-    UnsupportedModel, hf_config_from_model, infer_family, model_config_from_hf, rope_fields_from_hf,
-)
+from tessera.interop.hf_config import hf_config_from_model, infer_family, model_config_from_hf
+from tessera.interop.hf_fields import UnsupportedModel, rope_fields_from_hf
 from tessera.models.rope import build_rotary, rope_scaling
 from tests.interop.test_hf import _LLAMA, LLAMA3_ROPE, YARN_ROPE
 
