@@ -11,9 +11,10 @@ import torch
 import transformers
 
 from tessera.cli import run
-from tessera.interop.hf import load_hf, read_hf_dir
+from tessera.interop.hf import read_hf_dir
 from tessera.interop.hf_config import model_config_from_hf
 from tessera.interop.hf_fields import UnsupportedModel
+from tests.interop.conversions import assert_logits_match, round_trip
 
 VOCAB = 101  # not a multiple of anything: exercises padding on import and cutting on export
 _LLAMA = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -55,11 +56,7 @@ def _hf_model(family: str, path):
 def test_logits_match_transformers(family, tmp_path):
     reference = _hf_model(family, tmp_path)
     ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = reference(ids).logits
-        actual = load_hf(tmp_path)(ids)
-    assert actual.shape == expected.shape
-    assert (actual - expected).abs().max().item() <= 1e-4
+    assert_logits_match(reference, tmp_path, ids)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -68,20 +65,11 @@ def test_round_trip_through_a_tessera_checkpoint_is_exact(family, tmp_path):
     tokenizer_files = {"tokenizer.json": b'{"version": "1.0"}', "tokenizer.model": bytes(range(256))}
     for name, content in tokenizer_files.items():
         (tmp_path / "hf" / name).write_bytes(content)
-    assert run(["convert", "hf-to-tessera", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "ckpt")]) == 0
-    assert run(["convert", "tessera-to-hf", "--input", str(tmp_path / "ckpt"), "--output", str(tmp_path / "out")]) == 0
+    export = round_trip(tmp_path / "hf", tmp_path)
     # the tokenizer (and generation config) travel with the weights, both ways, byte for byte
     for name in [*tokenizer_files, "generation_config.json"]:
         assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes(), name
-    original_config, original = read_hf_dir(tmp_path / "hf")
-    config, tensors = read_hf_dir(tmp_path / "out")
-    assert tensors.keys() == original.keys()
-    for name, tensor in original.items():
-        assert tensors[name].dtype == tensor.dtype and torch.equal(tensors[name], tensor), name
-    # transformers itself loads the export, with nothing missing or left over
-    _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    assert config["model_type"] == original_config["model_type"]
+    assert export.config["model_type"] == export.original_config["model_type"]
 
 
 def test_large_models_are_written_in_shards_with_an_index(tmp_path):

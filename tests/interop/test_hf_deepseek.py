@@ -27,6 +27,7 @@ from tessera.interop.hf_config import hf_config_from_model, infer_family, model_
 from tessera.interop.hf_fields import UnsupportedModel
 from tessera.models.mtp import shift_left
 from tessera.models.presets import preset_values
+from tests.interop.conversions import assert_logits_match, round_trip
 from tests.interop.test_hf_moe import assert_routes_alike, widened
 from tests.interop.test_hf_presets import wide_model
 
@@ -86,9 +87,7 @@ def test_logits_match_transformers(saved, layout):
     reference, dirs = saved
     _, tensors = read_hf_dir(dirs[layout])
     assert any("gate_up_proj" in name for name in tensors) == (layout == "fused")
-    with torch.no_grad():
-        model = load_hf(dirs[layout])
-        assert _max_diff(model(_ids()), reference(_ids()).logits) <= 1e-4
+    assert_logits_match(reference, dirs[layout], _ids())
 
 
 def test_the_config_maps_onto_megatrons_flags(saved):
@@ -157,24 +156,13 @@ def test_round_trip_is_exact_with_deepseek_v3s_mtp_layer_which_transformers_comp
     for path in dirs["per-expert"].iterdir():
         (source / path.name).write_bytes(path.read_bytes())
     mtp = _add_mtp_layer(source, reference) if v3 else {}   # DeepSeek-V2's checkpoints have none
-    assert run(["convert", "hf-to-tessera", "--input", str(source), "--output", str(tmp_path / "ckpt")]) == 0
-    assert run(["convert", "tessera-to-hf", "--input", str(tmp_path / "ckpt"), "--output", str(tmp_path / "out")]) == 0
-    original_config, original = read_hf_dir(source)
-    config, tensors = read_hf_dir(tmp_path / "out")
-    assert tensors.keys() == original.keys()
-    for name, tensor in original.items():
-        assert tensors[name].dtype == tensor.dtype and torch.equal(tensors[name], tensor), name
-    original_config["rope_parameters"].setdefault("truncate", True)   # HF's default, written out
-    changed = {key for key, value in original_config.items() if config.get(key, "missing") != value}
-    assert not changed, {key: (original_config[key], config.get(key)) for key in changed}
-    exported, info = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path / "out", output_loading_info=True, experts_implementation="eager")
-    assert not any(info[k] for k in ("missing_keys", "mismatched_keys")), info
-    # the MTP layer, which transformers' model skips (naming its experts fused)
-    assert bool(info["unexpected_keys"]) == v3
-    assert all(key.startswith(f"model.layers.{LAYERS}.") for key in info["unexpected_keys"])
+    # the MTP layer, which transformers' model skips (naming its experts fused), is all it leaves out
+    export = round_trip(source, tmp_path, skipped_prefix=f"model.layers.{LAYERS}.", experts_implementation="eager")
+    assert bool(export.loading_info["unexpected_keys"]) == v3
+    export.original_config["rope_parameters"].setdefault("truncate", True)   # HF's default, written out
+    assert not export.changed_fields()
     with torch.no_grad():
-        assert torch.equal(exported.eval()(_ids()).logits, reference(_ids()).logits)
+        assert torch.equal(export.model(_ids()).logits, reference(_ids()).logits)
     if v3:
         _check_the_mtp_depth_against_transformers_mtp_layer(reference, load_hf(source), mtp)
         copy = f"model.layers.{LAYERS}.embed_tokens.weight"   # tessera has one embedding: copies must agree

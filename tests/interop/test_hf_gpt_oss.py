@@ -12,13 +12,13 @@ import pytest
 import torch
 import transformers
 
-from tessera.cli import run
 from tessera.inference.generate import generate
-from tessera.interop.hf import load_hf, read_hf_dir
+from tessera.interop.hf import load_hf
 from tessera.interop.hf_config import infer_family, model_config_from_hf
 from tessera.interop.hf_fields import UnsupportedModel
 from tessera.models.presets import preset_values
 from tessera.config import ModelConfig
+from tests.interop.conversions import assert_logits_match, round_trip
 
 VOCAB = 101
 SEQ = 24
@@ -77,27 +77,16 @@ def test_the_config_maps_onto_megatrons_flags(saved):
 
 def test_logits_match_transformers(saved):
     reference, path = saved
-    with torch.no_grad():
-        expected = reference(_ids()).logits
-        got = load_hf(path)(_ids())
-    assert (got - expected).abs().max().item() <= 1e-4
+    assert_logits_match(reference, path, _ids())
     # The window matters at this length: the same weights with full attention everywhere differ.
     with torch.no_grad():
         full = tiny_gpt_oss(layer_types=["full_attention"] * 3)(_ids()).logits
-    assert (full - expected).abs().max().item() > 1e-2
+        assert (full - reference(_ids()).logits).abs().max().item() > 1e-2
 
 
 def test_round_trip_through_a_tessera_checkpoint_is_exact(saved, tmp_path):
     _, path = saved
-    assert run(["convert", "hf-to-tessera", "--input", str(path), "--output", str(tmp_path / "ckpt")]) == 0
-    assert run(["convert", "tessera-to-hf", "--input", str(tmp_path / "ckpt"), "--output", str(tmp_path / "out")]) == 0
-    original_config, original = read_hf_dir(path)
-    config, tensors = read_hf_dir(tmp_path / "out")
-    assert tensors.keys() == original.keys()
-    for name, tensor in original.items():
-        assert torch.equal(tensors[name], tensor), name
-    changed = {key for key, value in original_config.items() if config.get(key, "missing") != value}
-    assert not changed, {key: (original_config[key], config.get(key)) for key in changed}
+    assert not round_trip(path, tmp_path).changed_fields()
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -6,11 +6,10 @@ import pytest
 import torch
 import transformers
 
-from tessera.cli import run
 from tessera.config import ModelConfig
-from tessera.interop.hf import load_hf, read_hf_dir
 from tessera.interop.hf_config import hf_config_from_model, model_config_from_hf
 from tessera.interop.hf_fields import UnsupportedModel
+from tests.interop.conversions import assert_logits_match, round_trip
 
 VOCAB = 101   # not a multiple of anything: padded on import, cut on export
 
@@ -35,25 +34,13 @@ def _hf_model(path, **extra):
 def test_logits_match_transformers(tied, tmp_path):
     reference = _hf_model(tmp_path, tie_word_embeddings=tied)
     ids = torch.randint(0, VOCAB, (2, 21), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = reference(ids).logits
-        actual = load_hf(tmp_path)(ids)
-    assert actual.shape == expected.shape
-    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
+    assert_logits_match(reference, tmp_path, ids)
 
 
 def test_round_trip_through_a_tessera_checkpoint_is_exact(tmp_path):
     _hf_model(tmp_path / "hf", use_bias=True)
-    assert run(["convert", "hf-to-tessera", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "ckpt")]) == 0
-    assert run(["convert", "tessera-to-hf", "--input", str(tmp_path / "ckpt"), "--output", str(tmp_path / "out")]) == 0
-    original_config, original = read_hf_dir(tmp_path / "hf")
-    config, tensors = read_hf_dir(tmp_path / "out")
-    assert tensors.keys() == original.keys()
-    for name, tensor in original.items():
-        assert tensors[name].dtype == tensor.dtype and torch.equal(tensors[name], tensor), name
-    _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    assert config["model_type"] == "mamba2" and config["num_heads"] == original_config["num_heads"]
+    export = round_trip(tmp_path / "hf", tmp_path)
+    assert export.config["model_type"] == "mamba2" and export.config["num_heads"] == export.original_config["num_heads"]
 
 
 @pytest.mark.parametrize("field, value", [("conv_kernel", 3), ("use_conv_bias", False), ("hidden_act", "gelu"),

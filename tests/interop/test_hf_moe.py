@@ -24,6 +24,7 @@ from tessera.interop.hf_config import hf_config_from_model, infer_family, model_
 from tessera.interop.hf_fields import UnsupportedModel, qwen_moe_layers
 from tessera.models.gpt import GPTModel
 from tessera.models.moe import grouped_mm_available
+from tests.interop.conversions import assert_logits_match, round_trip
 from tests.interop.test_hf_presets import wide_model
 
 VOCAB = 101
@@ -104,15 +105,13 @@ def test_the_models_are_moe_models_of_both_layouts(saved):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_logits_match_transformers(saved, layout):
     reference, dirs = saved
+    model = assert_logits_match(reference, dirs[layout], _ids())
+    if not grouped_mm_available("cpu", torch.float32):
+        pytest.skip("no torch._grouped_mm on this CPU build")
     with torch.no_grad():
-        expected = reference(_ids()).logits
-        model = load_hf(dirs[layout])
-        assert _max_diff(model(_ids()), expected) <= 1e-4
-        if not grouped_mm_available("cpu", torch.float32):
-            pytest.skip("no torch._grouped_mm on this CPU build")
         grouped = GPTModel(dataclasses.replace(model.config, moe_grouped_gemm=True)).eval()
         grouped.load_state_dict(model.state_dict())
-        assert _max_diff(grouped(_ids()), expected) <= 1e-4
+        assert _max_diff(grouped(_ids()), reference(_ids()).logits) <= 1e-4
 
 
 def test_router_matches_transformers(saved):
@@ -130,21 +129,12 @@ def test_router_matches_transformers(saved):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_round_trip_through_a_tessera_checkpoint_is_exact(saved, layout, tmp_path):
     reference, dirs = saved
-    assert run(["convert", "hf-to-tessera", "--input", str(dirs[layout]), "--output", str(tmp_path / "ckpt")]) == 0
-    assert run(["convert", "tessera-to-hf", "--input", str(tmp_path / "ckpt"), "--output", str(tmp_path / "out")]) == 0
     # Export writes the per-expert layout, whichever layout was imported.
-    original_config, original = read_hf_dir(dirs["per-expert"])
-    config, tensors = read_hf_dir(tmp_path / "out")
-    assert tensors.keys() == original.keys()
-    for name, tensor in original.items():
-        assert tensors[name].dtype == tensor.dtype and torch.equal(tensors[name], tensor), name
-    changed = {key for key, value in original_config.items() if config.get(key, "missing") != value}
-    assert changed <= {"head_dim"}, {key: (original_config[key], config.get(key)) for key in changed}  # Mixtral's None
-    exported, info = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path / "out", output_loading_info=True, experts_implementation="eager")
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    export = round_trip(dirs[layout], tmp_path, expected_dir=dirs["per-expert"], experts_implementation="eager")
+    changed = export.changed_fields()
+    assert changed.keys() <= {"head_dim"}, changed   # Mixtral's None
     with torch.no_grad():
-        assert torch.equal(exported.eval()(_ids()).logits, reference(_ids()).logits)
+        assert torch.equal(export.model(_ids()).logits, reference(_ids()).logits)
 
 
 def test_the_checkpoint_says_which_layers_are_moe(saved):

@@ -7,12 +7,12 @@ import pytest
 import torch
 import transformers
 
-from tessera.cli import run
 from tessera.config import ModelConfig
-from tessera.interop.hf import load_hf, read_hf_dir, tessera_state_from_hf
+from tessera.interop.hf import read_hf_dir, tessera_state_from_hf
 from tessera.interop.hf_config import hf_config_from_model, model_config_from_hf
 from tessera.interop.hf_fields import UnsupportedModel
 from tessera.models.presets import preset_values
+from tests.interop.conversions import assert_logits_match, round_trip
 
 VOCAB = 101   # not a multiple of anything: padded on import, cut on export
 LAYERS = ["linear_attention", "full_attention", "mlp", "moe", "linear_attention", "moe"]
@@ -48,12 +48,7 @@ def _ids():
 
 
 def test_logits_match_transformers(tmp_path):
-    reference = _hf_model(tmp_path)
-    with torch.no_grad():
-        expected = reference(_ids()).logits
-        actual = load_hf(tmp_path)(_ids())
-    assert actual.shape == expected.shape
-    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
+    assert_logits_match(_hf_model(tmp_path), tmp_path, _ids())
 
 
 def test_transformers_in_memory_names_and_fused_experts_map_as_the_files_do(tmp_path):
@@ -69,18 +64,10 @@ def test_transformers_in_memory_names_and_fused_experts_map_as_the_files_do(tmp_
 
 def test_round_trip_through_a_tessera_checkpoint_is_exact(tmp_path):
     reference = _hf_model(tmp_path / "hf")
-    assert run(["convert", "hf-to-tessera", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "ckpt")]) == 0
-    assert run(["convert", "tessera-to-hf", "--input", str(tmp_path / "ckpt"), "--output", str(tmp_path / "out")]) == 0
-    original_config, original = read_hf_dir(tmp_path / "hf")
-    config, tensors = read_hf_dir(tmp_path / "out")
-    assert tensors.keys() == original.keys()
-    for name, tensor in original.items():
-        assert tensors[name].dtype == tensor.dtype and torch.equal(tensors[name], tensor), name
-    exported, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    assert config["layers_block_type"] == LAYERS and config["model_type"] == "nemotron_h"
+    export = round_trip(tmp_path / "hf", tmp_path)
+    assert export.config["layers_block_type"] == LAYERS and export.config["model_type"] == "nemotron_h"
     with torch.no_grad():
-        assert torch.equal(exported.eval()(_ids()).logits, reference(_ids()).logits)
+        assert torch.equal(export.model(_ids()).logits, reference(_ids()).logits)
 
 
 def test_the_older_pattern_field_reads_as_layers_block_type():
