@@ -53,9 +53,9 @@ def load_model(*, load: str | None = None, hf: str | None = None, dtype: torch.d
         state = tessera_state_from_hf(hf_config, tensors, config)
         info = LoadedInfo(config, hf_config, Path(hf), _hf_eos_token_ids(Path(hf), hf_config))
     else:
-        from tessera.training.checkpoint_files import load_model_checkpoint
+        from tessera.posttrain.lora_checkpoint import read_model
 
-        saved = load_model_checkpoint(load, extra_files=("hf_config.json",))
+        saved = read_model(load, extra_files=("hf_config.json",))
         config, state = saved.config, saved.tensors
         hf_config = json.loads(saved.files["hf_config.json"]) if "hf_config.json" in saved.files else None
         eos = _hf_eos_token_ids(Path(load), hf_config) if hf_config else ()   # convert copied generation_config.json

@@ -24,8 +24,8 @@ from tessera.interop.hf import hf_model_config, hf_state_from_tessera, read_hf_d
 from tessera.interop.hf_config import hf_config_from_model, infer_family
 from tessera.interop.hf_peft import peft_checkpoint_state, write_peft_adapter
 from tessera.interop.hf_tokenizer import write_hf_tokenizer
-from tessera.posttrain.lora_checkpoint import lora_scale
-from tessera.training.checkpoint_files import load_model_checkpoint, save_model_checkpoint
+from tessera.posttrain.lora_checkpoint import lora_scale, read_model
+from tessera.training.checkpoint_files import save_model_checkpoint
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -60,7 +60,7 @@ def tessera_to_hf(checkpoint_dir: str | os.PathLike, hf_dir: str | os.PathLike, 
     where the imported config has none. A LoRA checkpoint is written merged; with `peft_adapter`
     its base is, and its adapters as a PEFT adapter directory there (tessera.interop.hf_peft).
     """
-    saved = load_model_checkpoint(checkpoint_dir, extra_files=("hf_config.json",), merge_lora=peft_adapter is None)
+    saved = read_model(checkpoint_dir, extra_files=("hf_config.json",), merge_lora=peft_adapter is None)
     if peft_adapter is not None and not saved.adapters:
         raise ConfigError(f"{checkpoint_dir}: --peft-adapter needs a LoRA checkpoint (trained with --lora-rank)")
     base = json.loads(saved.files["hf_config.json"]) if "hf_config.json" in saved.files else None

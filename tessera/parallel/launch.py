@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping, TypeVar
 import torch
 import torch.distributed as dist
 
-from tessera.config import SECTIONS, flag
+from tessera.config.fields import flag
 
 _DEFAULT_PORT = 29500
 T = TypeVar("T")
@@ -119,10 +119,11 @@ def _checked(env: LaunchEnvironment, rank_name: str, size_name: str) -> LaunchEn
 def config_fingerprint(config: Any) -> dict:
     """What ranks compare at the rendezvous: every section's flags but local paths (per_node)."""
     sections = {}
-    for name in SECTIONS:
-        section = getattr(config, name)
-        sections[name] = {f.name: getattr(section, f.name) for f in dataclasses.fields(section)
-                          if not f.metadata.get("per_node")}
+    for field in dataclasses.fields(config):
+        section = getattr(config, field.name)
+        if dataclasses.is_dataclass(section):
+            sections[field.name] = {f.name: getattr(section, f.name) for f in dataclasses.fields(section)
+                                    if not f.metadata.get("per_node")}
     return json.loads(json.dumps(sections, sort_keys=True, default=str))
 
 

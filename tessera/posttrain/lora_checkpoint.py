@@ -18,7 +18,19 @@ from typing import Any
 import torch
 
 from tessera.config import ConfigError
+from tessera.interop.hf import read_hf_dir, tessera_state_from_hf
 from tessera.posttrain.lora import is_adapter_parameter
+from tessera.training.checkpoint_files import SavedModel, load_model_checkpoint
+from tessera.training.pretrained import is_hf_dir
+
+
+def read_model(root: str | os.PathLike, extra_files: tuple[str, ...] = (), merge_lora: bool = True) -> SavedModel:
+    """The newest checkpoint in `root` as a whole model, read in one process: a LoRA checkpoint's
+    adapters with their base, merged into it unless `merge_lora=False`."""
+    saved = load_model_checkpoint(root, extra_files)
+    if (saved.run_config.get("posttrain") or {}).get("lora_rank"):
+        return with_base(saved, root, merge=merge_lora)
+    return saved
 
 
 def base_of(run_config: dict[str, Any]) -> str | None:
@@ -59,16 +71,11 @@ def lora_scale(run_config: dict[str, Any]) -> float:
 
 def _base_tensors(saved, root: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The full weights of the base a LoRA checkpoint names (tessera or Hugging Face)."""
-    from tessera.training.checkpoint_files import load_model_checkpoint
-    from tessera.training.pretrained import is_hf_dir
-
     base = base_of(saved.run_config)
     if base is None or not Path(base).exists():
         raise ConfigError(f"{root} holds LoRA adapters; their base ({base or 'not recorded'}) is not there: give "
                           "the directory of its --pretrained-checkpoint")
     if not is_hf_dir(base):
         return load_model_checkpoint(base).tensors
-    from tessera.interop.hf import read_hf_dir, tessera_state_from_hf
-
     hf_config, hf_tensors = read_hf_dir(base)
     return tessera_state_from_hf(hf_config, hf_tensors, saved.config)

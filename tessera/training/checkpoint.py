@@ -42,26 +42,14 @@ from tessera.config import ConfigError, ModelConfig, RunConfig, flag
 from tessera.data.tokenizers import tokenizer_files
 from tessera.training import compile_artifacts
 from tessera.training.checkpoint_files import (
-    WRITE_THREADS, complete_checkpoints, copy_tokenizer, global_rank, iteration_dir, log_info, log_warning,
-    saved_run_config, single_process_ok, write_checkpoint,
+    FIELDS_THAT_MAY_CHANGE, WRITE_THREADS, complete_checkpoints, copy_tokenizer, global_rank, iteration_dir, log_info,
+    log_warning, saved_run_config, single_process_ok, write_checkpoint,
 )
 from tessera.training.checkpoint_state import (
     Chunked, LoadPlanner, fp8_scaling_state, fp8_scaling_targets, master_state, master_weights, model_state,
     optimizer_state, optimizer_steps, restore_fp8_scaling, set_optimizer_steps,
 )
 from tessera.training.pretrained import converted_checkpoint, is_hf_dir, newest_checkpoint, remove_converted
-
-# Model fields a run may change on resume (fine-tuning, longer sequences with RoPE);
-# the parameters' shapes are checked on their own.
-FIELDS_THAT_MAY_CHANGE = {
-    "seq_length", "hidden_dropout", "attention_dropout", "init_method_std", "make_vocab_size_divisible_by",
-    # how MoE layers train, not what they hold
-    "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate",
-    "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
-    "moe_grouped_gemm", "moe_router_dtype",
-    "mtp_loss_scaling_factor",   # DeepSeek-V3 lowered it from 0.3 to 0.1 during training
-}
-
 
 def model_config_differences(saved: dict[str, Any], current: ModelConfig) -> list[str]:
     """'--flag: checkpoint X, run Y' for each architecture field that differs."""

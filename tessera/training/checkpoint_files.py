@@ -163,6 +163,18 @@ def save_model_checkpoint(root: str | os.PathLike, model: ModelConfig, tensors: 
                      extra_files=extra_files)
 
 
+# Model fields a run may change on resume (fine-tuning, longer sequences with RoPE);
+# the parameters' shapes are checked on their own.
+FIELDS_THAT_MAY_CHANGE = {
+    "seq_length", "hidden_dropout", "attention_dropout", "init_method_std", "make_vocab_size_divisible_by",
+    # how MoE layers train, not what they hold
+    "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate",
+    "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
+    "moe_grouped_gemm", "moe_router_dtype",
+    "mtp_loss_scaling_factor",   # DeepSeek-V3 lowered it from 0.3 to 0.1 during training
+}
+
+
 @dataclasses.dataclass
 class SavedModel:
     """What one process reads of a checkpoint to generate with or convert."""
@@ -174,10 +186,9 @@ class SavedModel:
     adapters: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)   # LoRA's, merged into `tensors`
 
 
-def load_model_checkpoint(root: str | os.PathLike, extra_files: tuple[str, ...] = (), *,
-                          merge_lora: bool = True) -> SavedModel:
-    """The newest checkpoint in `root`, read in one process; a LoRA checkpoint's adapters with
-    their base, merged into it unless `merge_lora=False` (tessera.posttrain.lora_checkpoint)."""
+def load_model_checkpoint(root: str | os.PathLike, extra_files: tuple[str, ...] = ()) -> SavedModel:
+    """The newest checkpoint in `root`, read in one process, as it was saved (a LoRA checkpoint's
+    adapters alone: tessera.posttrain.lora_checkpoint.read_model reads them with their base)."""
     candidates = complete_checkpoints(root)
     if not candidates:
         raise FileNotFoundError(f"{root}: no complete tessera checkpoint")
@@ -189,9 +200,4 @@ def load_model_checkpoint(root: str | os.PathLike, extra_files: tuple[str, ...] 
         dcp.load(state, storage_reader=dcp.FileSystemReader(directory), planner=LoadPlanner())
     tensors = {key.removeprefix("model."): value.blocks[0][1] for key, value in state.items()}
     files = {name: (directory / name).read_text() for name in extra_files if (directory / name).is_file()}
-    saved = SavedModel(ModelConfig(**run_config["model"]), tensors, run_config, files)
-    if (run_config.get("posttrain") or {}).get("lora_rank"):   # adapters: read with their base, merged
-        from tessera.posttrain.lora_checkpoint import with_base
-
-        return with_base(saved, root, merge=merge_lora)
-    return saved
+    return SavedModel(ModelConfig(**run_config["model"]), tensors, run_config, files)

@@ -69,8 +69,7 @@ def model_from_checkpoint(values: dict[str, dict[str, Any]]) -> str | None:
     asked = checkpoint.get("use_checkpoint_args", False)
     if not asked and "num_layers" in model:
         return None
-    from tessera.training.checkpoint import FIELDS_THAT_MAY_CHANGE
-    from tessera.training.checkpoint_files import complete_checkpoints
+    from tessera.training.checkpoint_files import FIELDS_THAT_MAY_CHANGE, complete_checkpoints
 
     load, pretrained = checkpoint.get("load"), checkpoint.get("pretrained_checkpoint")
     if load is not None and Path(load).is_dir() and complete_checkpoints(load, warn=lambda message: None):
