@@ -10,7 +10,7 @@
 Each `step` is one scheduler step (tessera.inference.scheduler: prefill chunks and decode
 tokens under a token budget, continuous batching, preemption), one forward pass over the
 paged KV cache (tessera.inference.runner, kv_cache, paged_attention; CUDA graphs for decode
-steps on a GPU; the per-request state of a hybrid's Mamba-2 layers in
+steps on a GPU; the per-request state of a hybrid's Mamba-2 and Gated DeltaNet layers in
 tessera.inference.recurrent_state) and one sampling pass (tessera.inference.sampling). Synchronous and
 single-threaded; requests beyond capacity wait in its queue.
 
@@ -109,7 +109,8 @@ class Engine:
         shapes, state_shapes = PagedKVCache.model_shapes(model), StatePool.model_shapes(model)
         if state_shapes and prefix_caching:
             raise ValueError("prefix caching (--inference-dynamic-batching-prefix-caching) is not supported for "
-                             "models with Mamba-2 layers: a cached block holds keys and values, not their state")
+                             "models with recurrent layers (Mamba-2, Gated DeltaNet): a cached block holds keys and "
+                             "values, not their state")
         blocks_per_request = math.ceil(self.max_seq_length / block_size)
         if num_blocks is None:
             num_blocks = max_requests * blocks_per_request + 1
@@ -344,7 +345,7 @@ def _blocks_that_fit(wanted: int, shapes, block_size: int, parameter: torch.Tens
     free, _ = torch.cuda.mem_get_info(parameter.device)
     budget = int(free * memory_fraction) - state_bytes
     if budget < 0:
-        raise ValueError(f"the Mamba-2 layers' state for --inference-max-requests requests ({state_bytes / 2**30:.2f} "
-                         f"GiB) does not fit in {memory_fraction:.0%} of the free GPU memory: ask for fewer requests")
+        raise ValueError(f"the recurrent layers' state for --inference-max-requests requests "
+                         f"({state_bytes / 2**30:.2f} GiB) does not fit in {memory_fraction:.0%} of the free GPU memory: ask for fewer requests")
     per_block = PagedKVCache.bytes_per_block(shapes, block_size, parameter.dtype)
     return max(min(wanted, budget // per_block), 2) if per_block else wanted

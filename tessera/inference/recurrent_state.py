@@ -1,10 +1,12 @@
-"""The per-request state of recurrent layers (Mamba-2), which they keep in place of KV blocks.
+"""The per-request state of recurrent layers (Mamba-2, Gated DeltaNet), which they keep in place of KV blocks.
 
 An attention layer's past is its keys and values, one slot per token in paged blocks
 (tessera.inference.kv_cache). A recurrent mixer's past is a state of fixed size per request:
 for Mamba-2 the last three inputs of its convolution and the SSM state [heads, P, N] (arXiv
 2405.21060; Megatron-Core's MambaMixer keeps the same two per request in its inference
-context, transformers' Mamba2 in its cache). The engine owns one `StatePool` beside the KV
+context, transformers' Mamba2 in its cache); for Gated DeltaNet the last conv-kernel - 1 inputs
+of its convolution and the delta rule's state [heads, key dim, value dim] (arXiv 2412.06464;
+transformers' Qwen3-Next cache keeps the same two). The engine owns one `StatePool` beside the KV
 cache: every recurrent layer's states for `max_requests + 1` slots, in fp32. A running request
 holds one slot (tessera.inference.scheduler hands it out at admission and takes it back when
 the request finishes or is preempted). Slot 0 is never handed out: the padded rows of a
@@ -22,9 +24,10 @@ Preemption recomputes a request from its first token, so its state is rebuilt as
 blocks are. Prefix caching is refused for models with recurrent layers: a cached block
 holds keys and values, not the recurrent state after it.
 
-A mixer plugs in by implementing `RecurrentMixer` (tessera.models.mamba.MambaMixer does) and
-sitting in a HybridLayer as its `mixer`: the engine finds it, sizes the pool from its
-`state_shapes`, and HybridLayer hands it to `LayerStates.mix` when the engine runs the model.
+A mixer plugs in by implementing `RecurrentMixer` (tessera.models.mamba.MambaMixer and
+tessera.models.gated_deltanet.GatedDeltaNet do) and sitting in a HybridLayer as its `mixer`: the
+engine finds it, sizes the pool from its `state_shapes`, and HybridLayer hands it to
+`LayerStates.mix` when the engine runs the model.
 """
 
 from __future__ import annotations

@@ -17,6 +17,11 @@ the norm's weight (one head wide) is on every rank, and `out_proj` is row-parall
 sequence parallelism `in_proj` all-gathers the sequence and `out_proj` reduce-scatters it. With
 packed documents the conv and the delta rule restart at each document: the same outputs as
 running each document alone.
+
+For generation it keeps, per request, the last --linear-conv-kernel-dim - 1 inputs of its conv and
+the delta rule's state [value heads, K, V] (tessera.inference.recurrent_state, as transformers'
+Qwen3-Next cache keeps conv_states and recurrent_states): a prompt runs the chunked rule from it, a
+decode step one token of the recurrence.
 """
 
 from __future__ import annotations
@@ -26,9 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.config import ConfigError, ModelConfig
-from tessera.kernels.delta_rule import gated_delta_rule
+from tessera.kernels.delta_rule import gated_delta_rule, gated_delta_step
 from tessera.models.documents import Documents
-from tessera.models.mamba import a_log_init, causal_conv1d, gated_rms_norm, sharded_parameter, uniform_init
+from tessera.models.mamba import (a_log_init, causal_conv1d, gated_rms_norm, sharded_parameter, silu_conv_after,
+                                  uniform_init)
 from tessera.parallel.sharding import ShardSpec, annotate, rank_and_size
 from tessera.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
@@ -66,17 +72,57 @@ class GatedDeltaNet(nn.Module):
                                           tp_group=tp_group, sequence_parallel=sequence_parallel)
 
     def forward(self, hidden: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
-        projected = self.in_proj(hidden)   # the whole sequence, this rank's heads
-        batch, seq, _ = projected.shape
+        qkv, z, b, a = self._project(hidden)   # the whole sequence, this rank's heads
+        ids = documents.token_ids() if documents is not None else None
+        q, k, v, decay, beta = self._rule_inputs(F.silu(causal_conv1d(qkv, self.conv_weight, None, ids)), b, a)
+        return self._output(gated_delta_rule(q, k, v, decay, beta, document_ids=ids), z, hidden.dtype)
+
+    # -- generation: the state one request carries between steps (tessera.inference.recurrent_state) --
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """One request's state: the last conv-kernel - 1 inputs of the conv, and the delta rule's state
+        [value heads, K, V] (this rank's heads)."""
+        channels, _, kernel = self.conv_weight.shape
+        return {"conv": (kernel - 1, channels),
+                "recurrent": (self.num_value_heads, self.key_head_dim, self.value_head_dim)}
+
+    def prefill(self, hidden: torch.Tensor, state: dict[str, torch.Tensor]
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """hidden [rows, s, hidden] after `state` (each [rows, *state_shapes()]) -> (output, the state after
+        them): the chunked rule from the given state."""
+        qkv, z, b, a = self._project(hidden)
+        conv, conv_state = silu_conv_after(qkv, state["conv"], self.conv_weight, None)
+        out, recurrent = gated_delta_rule(*self._rule_inputs(conv, b, a), initial_states=state["recurrent"],
+                                          return_final_states=True)
+        return self._output(out, z, hidden.dtype), {"conv": conv_state, "recurrent": recurrent}
+
+    def step(self, hidden: torch.Tensor, state: dict[str, torch.Tensor]
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One token a row, hidden [rows, 1, hidden]: the recurrence advances the state (no chunks)."""
+        qkv, z, b, a = self._project(hidden)
+        conv, conv_state = silu_conv_after(qkv, state["conv"], self.conv_weight, None)
+        out, recurrent = gated_delta_step(state["recurrent"], *(t[:, 0] for t in self._rule_inputs(conv, b, a)))
+        return self._output(out[:, None], z, hidden.dtype), {"conv": conv_state, "recurrent": recurrent}
+
+    def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """[q | k | v], z, b and a of the whole sequence, this rank's heads."""
         keys, values = self.num_key_heads * self.key_head_dim, self.num_value_heads * self.value_head_dim
         heads = self.num_value_heads
-        qkv, z, b, a = projected.split([2 * keys + values, values, heads, heads], dim=-1)
-        ids = documents.token_ids() if documents is not None else None
-        q, k, v = F.silu(causal_conv1d(qkv, self.conv_weight, None, ids)).split([keys, keys, values], dim=-1)
+        return self.in_proj(hidden).split([2 * keys + values, values, heads, heads], dim=-1)
+
+    def _rule_inputs(self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q and k [b, s, key heads, K], v [b, s, value heads, V] from the activated conv; the log decay g
+        and beta [b, s, value heads] (fp32)."""
+        batch, seq, _ = qkv.shape
+        keys = self.num_key_heads * self.key_head_dim
+        q, k, v = qkv.split([keys, keys, self.num_value_heads * self.value_head_dim], dim=-1)
         decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        out = gated_delta_rule(q.view(batch, seq, -1, self.key_head_dim), k.view(batch, seq, -1, self.key_head_dim),
-                               v.view(batch, seq, heads, self.value_head_dim), decay, b.float().sigmoid(),
-                               document_ids=ids)
-        normed = gated_rms_norm(out.reshape(batch, seq, values), z, self.norm_weight.repeat(heads), heads, self.eps,
+        return (q.view(batch, seq, -1, self.key_head_dim), k.view(batch, seq, -1, self.key_head_dim),
+                v.view(batch, seq, -1, self.value_head_dim), decay, b.float().sigmoid())
+
+    def _output(self, out: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """out_proj of the per-head normed, gated out [b, s, value heads, V]."""
+        heads = self.num_value_heads
+        normed = gated_rms_norm(out.flatten(2), z, self.norm_weight.repeat(heads), heads, self.eps,
                                 norm_before_gate=True)
-        return self.out_proj(normed.to(hidden.dtype))
+        return self.out_proj(normed.to(dtype))

@@ -86,7 +86,7 @@ class MambaMixer(nn.Module):
         """hidden [rows, s, hidden] after `state` (each [rows, *state_shapes()]) -> (output, the state after
         them): the chunked scan from the given state."""
         z, xbc, dt = self._project(hidden)
-        conv, conv_state = self._convolve_after(xbc, state["conv"])
+        conv, conv_state = silu_conv_after(xbc, state["conv"], self.conv_weight, self.conv_bias)
         x, dt, B, C = self._scan_inputs(conv, dt)
         y, ssm = ssd_scan(x, dt, -self.A_log.float().exp(), B, C, self.D, initial_states=state["ssm"],
                           return_final_states=True)
@@ -96,7 +96,7 @@ class MambaMixer(nn.Module):
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """One token a row, hidden [rows, 1, hidden]: the recurrence advances the state (no scan)."""
         z, xbc, dt = self._project(hidden)
-        conv, conv_state = self._convolve_after(xbc, state["conv"])
+        conv, conv_state = silu_conv_after(xbc, state["conv"], self.conv_weight, self.conv_bias)
         x, dt, B, C = self._scan_inputs(conv, dt)
         y, ssm = ssd_step(state["ssm"], x[:, 0], dt[:, 0], -self.A_log.float().exp(), B[:, 0], C[:, 0], self.D)
         return self._output(y[:, None], z, hidden.dtype), {"conv": conv_state, "ssm": ssm}
@@ -105,13 +105,6 @@ class MambaMixer(nn.Module):
         """z, [x | B | C] and dt of the whole sequence, this rank's heads and groups."""
         inner, states = self.num_heads * self.head_dim, self.num_groups * self.state_dim
         return self.in_proj(hidden).split([inner, inner + 2 * states, self.num_heads], dim=-1)
-
-    def _convolve_after(self, xbc: torch.Tensor, conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The activated conv of xbc [rows, s, channels] following the inputs of `conv_state` [rows, k - 1,
-        channels], and the last k - 1 inputs after it (fp32, as the state is kept)."""
-        window = torch.cat([conv_state.to(xbc.dtype), xbc], dim=1)
-        conv = causal_conv1d(window, self.conv_weight, self.conv_bias)[:, CONV_KERNEL - 1:]
-        return F.silu(conv), window[:, 1 - CONV_KERNEL:].float()
 
     def _scan_inputs(self, xbc: torch.Tensor, dt: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [b, s, heads, P], dt after softplus (fp32), B and C [b, s, groups, N]."""
@@ -142,6 +135,15 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         same = F.pad(document_ids, (shift, 0), value=-1)[:, :x.shape[1]] == document_ids
         out = out + earlier * same.unsqueeze(-1) * weight[:, 0, kernel - 1 - shift]
     return out
+
+
+def silu_conv_after(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu of the causal conv of x [rows, s, channels] following the inputs of `conv_state` [rows, k - 1,
+    channels], and the last k - 1 inputs after x (fp32, as the engine keeps states): generation's conv."""
+    kernel = weight.shape[-1]
+    window = torch.cat([conv_state.to(x.dtype), x], dim=1)
+    return F.silu(causal_conv1d(window, weight, bias)[:, kernel - 1:]), window[:, x.shape[1]:].float()
 
 
 def gated_rms_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, groups: int, eps: float, *,

@@ -1,11 +1,12 @@
-"""Generation with Mamba-2 layers: the engine keeps each request's conv and SSM state in slots
-beside the KV blocks (tessera.inference.recurrent_state).
+"""Generation with Mamba-2 and Gated DeltaNet layers: the engine keeps each request's conv state
+and SSM or delta-rule state in slots beside the KV blocks (tessera.inference.recurrent_state).
 
-Oracles: transformers' greedy `generate()` on tiny random `Mamba2ForCausalLM` and
-`NemotronHForCausalLM` models (their caches and recurrent steps, nothing of tessera's), and
-tessera's own forward over the whole sequence at every step for a hybrid of Mamba-2, attention
-and MLP layers, through chunked prefill, queues and preemption. The scan
-pieces are held to one scan over the whole sequence first.
+Oracles: transformers' greedy `generate()` on tiny random `Mamba2ForCausalLM`,
+`NemotronHForCausalLM` and `Qwen3NextForCausalLM` models (their caches and recurrent steps,
+nothing of tessera's), and tessera's own forward over the whole sequence at every step for a
+hybrid of Mamba-2, attention and MLP layers, through chunked prefill, queues and preemption. The
+scan pieces are held to one scan over the whole sequence first (the delta rule's pieces in
+tests/models/test_gated_deltanet.py), and each mixer's prefills and steps to its forward.
 """
 
 import functools
@@ -28,6 +29,7 @@ from tests.inference.test_decode_graphs_bookkeeping import stand_in_cuda  # noqa
 from tests.inference.test_engine import SAMPLED, check_against_full_recompute, prompts, tiny_model
 from tests.inference.tiny_text_model import hf_dir, tokenizer  # noqa: F401 -- fixtures
 from tests.interop.test_hf_nemotron_h import _hf_model as nemotron_h_model
+from tests.interop.test_hf_qwen3_next import _hf_model as qwen3_next_model
 
 
 def test_a_scan_in_pieces_from_the_state_between_them_equals_one_scan():
@@ -47,9 +49,10 @@ def test_a_scan_in_pieces_from_the_state_between_them_equals_one_scan():
     torch.testing.assert_close(state, final, rtol=1e-12, atol=1e-12)
 
 
-def test_a_mixers_prefill_and_steps_equal_its_forward():
+@pytest.mark.parametrize("preset", ["tiny-hybrid", "tiny-qwen3-next"])   # layer 0: Mamba-2, Gated DeltaNet
+def test_a_mixers_prefill_and_steps_equal_its_forward(preset):
     """Two requests: prefill of 7 tokens, then of 2 from the state left, then 11 recurrent steps."""
-    mixer = tiny_model("tiny-hybrid").layers[0].mixer
+    mixer = tiny_model(preset).layers[0].mixer
     hidden = torch.randn(2, 20, 64, generator=torch.Generator().manual_seed(1))
     state = {name: torch.zeros(2, *shape) for name, shape in mixer.state_shapes().items()}
     outputs = []
@@ -151,6 +154,13 @@ def test_greedy_tokens_equal_transformers_nemotron_h_generate(tmp_path):
     wide); prompts of 1, 6 and 30 tokens."""
     reference = nemotron_h_model(tmp_path, initializer_range=0.2)
     _assert_engine_equals_transformers(reference, tmp_path, (1, 6, 30), reference.config.vocab_size, 16)
+
+
+def test_greedy_tokens_equal_transformers_qwen3_next_generate(tmp_path):
+    """Qwen3-Next: Gated DeltaNet, gated attention, MoE and MLP layers (weights drawn wide); prompts
+    of 1, 6, 17 and 40 tokens, the longer ones in chunks of 16 that continue from their state."""
+    reference = qwen3_next_model(tmp_path, initializer_range=0.2)
+    _assert_engine_equals_transformers(reference, tmp_path, (1, 6, 17, 40), reference.config.vocab_size, 16)
 
 
 def test_generate_runs_a_converted_mamba2_checkpoint(mamba2_dir, tokenizer, tmp_path):  # noqa: F811

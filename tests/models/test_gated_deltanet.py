@@ -1,13 +1,14 @@
 """The Gated DeltaNet mixer and its chunked delta rule: against an fp64 sequential recurrence (the
-rule as arXiv 2412.06464 writes it), against transformers' Qwen3NextGatedDeltaNet with the same
-weights, packed documents against separate runs, and Megatron's FLOPs for G layers."""
+rule as arXiv 2412.06464 writes it), in pieces from the state between them (generation's prompt
+chunks and one-token steps), against transformers' Qwen3NextGatedDeltaNet with the same weights,
+packed documents against separate runs, and Megatron's FLOPs for G layers."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tessera.config import ConfigError, ModelConfig
-from tessera.kernels.delta_rule import gated_delta_rule
+from tessera.kernels.delta_rule import gated_delta_rule, gated_delta_step
 from tessera.models.documents import Documents
 from tessera.models.gated_deltanet import GatedDeltaNet
 from tessera.models.gpt import initialize_parameters
@@ -47,6 +48,26 @@ def test_chunked_rule_equals_the_fp64_recurrence(chunk_size):
         expected = recurrence(q, k, v, g, beta, ids if document_ids is not None else torch.zeros(batch, seq))
         got = gated_delta_rule(q, k, v, g, beta, document_ids=document_ids, chunk_size=chunk_size)
         torch.testing.assert_close(got, expected, rtol=1e-11, atol=1e-11)
+
+
+def test_the_rule_in_pieces_from_the_state_between_them_equals_one_pass():
+    """Chunks of 4 (the pieces cut inside chunks), fp64: 7 tokens, one recurrent step, then 9 tokens
+    in which a second document starts, each from the state the piece before left, equal the 17
+    tokens in one pass, outputs and final state (the second document's)."""
+    generator = torch.Generator().manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=generator, dtype=torch.float64)  # noqa: E731
+    q, k, v = rand(2, 17, 2, 5), rand(2, 17, 2, 5), rand(2, 17, 4, 3)
+    g, beta = -F.softplus(rand(2, 17, 4)), torch.sigmoid(rand(2, 17, 4))
+    ids = torch.tensor([[0] * 12 + [1] * 5] * 2)
+    whole, final = gated_delta_rule(q, k, v, g, beta, document_ids=ids, chunk_size=4, return_final_states=True)
+    state = torch.zeros(2, 4, 5, 3, dtype=torch.float64)
+    first, state = gated_delta_rule(q[:, :7], k[:, :7], v[:, :7], g[:, :7], beta[:, :7], chunk_size=4,
+                                    initial_states=state, return_final_states=True)
+    step, state = gated_delta_step(state, q[:, 7], k[:, 7], v[:, 7], g[:, 7], beta[:, 7])
+    last, state = gated_delta_rule(q[:, 8:], k[:, 8:], v[:, 8:], g[:, 8:], beta[:, 8:], document_ids=ids[:, 8:],
+                                   chunk_size=4, initial_states=state, return_final_states=True)
+    torch.testing.assert_close(torch.cat([first, step[:, None], last], dim=1), whole, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(state, final, rtol=1e-12, atol=1e-12)
 
 
 def _config(**extra) -> ModelConfig:
