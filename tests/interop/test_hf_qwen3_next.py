@@ -7,7 +7,6 @@ import pytest
 import torch
 import transformers
 
-from tessera.interop.hf import load_hf
 from tessera.interop.hf_config import hf_config_from_model, model_config_from_hf
 from tessera.interop.hf_fields import UnsupportedModel
 from tests.interop.conversions import assert_logits_match, round_trip
