@@ -1,12 +1,12 @@
 """Post-training on a CPU in a few minutes: a tiny chat model learns to sort letters.
 
-    python examples/sft.py          # SFT: every weight trains on chats       (~1 minute on 2 cores)
+    python examples/sft.py          # SFT: every weight trains on chats           (~40 s on 2 cores)
     python examples/sft.py --lora   # LoRA: adapters teach it a new order,
-                                    #   exported for Hugging Face PEFT        (~2 minutes)
-    python examples/sft.py --dpo    # DPO: right answers preferred to wrong   (~2 minutes)
+                                    #   exported for Hugging Face PEFT            (~1 minute)
+    python examples/sft.py --dpo    # DPO: right answers preferred to near misses (~15 s)
     make sft-demo                   # all three
 
-1. base     a tokenizer with a ChatML template and a random 0.3M-parameter Llama, saved as a
+1. base     a tokenizer with a ChatML template and a random 0.4M-parameter Llama, saved as a
             Hugging Face directory: it stands in for a model downloaded from the hub
 2. data     generated chats, `{"messages": [...]}` JSONL ("sort qjfa" -> "afjq"), preference pairs
             for DPO, and held-out prompts whose words are in no training row
@@ -18,6 +18,10 @@ LoRA and DPO start from the SFT model (made first if it is not there), as they w
 instruction-tuned model from the hub. Every command is printed as you would type it, then run
 in this process (`tessera.cli.run`). Everything goes under runs/sft-demo/, built once and
 reused by later runs; --quick trains a few steps only (the test's setting).
+
+Held-out accuracy on 2 CPU cores: SFT 0% -> 92%; LoRA on the descending task 0% -> 71%; DPO
+92% -> 89%: its pairs come out preferred (rewards/accuracies near 1 in the log), but the model
+already answers well and its mistakes are rarely the near misses it is shown.
 """
 
 from __future__ import annotations
@@ -135,8 +139,8 @@ def dpo(base: Path, tokenizer: Path, pairs: Path, iters: int, out: Path) -> Path
     # Answers one swap apart are where DPO alone lowers the right answer's probability too (Pal et al.
     # 2024, arXiv:2402.13228); the chosen answers' SFT loss beside it keeps them likely.
     tessera("train", "--dpo", "--dpo-beta", 0.1, "--dpo-sft-loss-weight", 1, "--pretrained-checkpoint", base,
-            "--tokenizer-model", tokenizer, "--data-path", pairs, "--seq-length", 48, "--lr", "1e-4",
-            "--min-lr", "1e-5", "--train-iters", iters, "--save", out, *TRAIN)
+            "--tokenizer-model", tokenizer, "--data-path", pairs, "--seq-length", 48, "--lr", "1e-5",
+            "--min-lr", "1e-6", "--train-iters", iters, "--save", out, *TRAIN)
     return out
 
 
@@ -191,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"\nLoRA's new task: descending order ({chats})")
         before = heldout_accuracy(["--load", sft_model], heldout, "[3/5] the SFT model, before")
         print("\n[4/5] LoRA: the SFT model frozen, rank-8 adapters on every linear layer train")
-        out = sft(sft_model, base, chats, int(300 * scale), work / "lora", "--lora-rank", 8, "--lora-alpha", 16)
+        out = sft(sft_model, base, chats, int(600 * scale), work / "lora", "--lora-rank", 8, "--lora-alpha", 16)
         after = heldout_accuracy(["--load", out], heldout, "[5/5] after LoRA")
         print("\nexport: the base as a Hugging Face model, the adapters as a PEFT adapter")
         tessera("convert", "tessera-to-hf", "--input", out, "--output", work / "lora-hf", "--peft-adapter",

@@ -46,7 +46,7 @@ def save_tiny_llama(path: Path, vocab_size: int = 256, hidden_size: int = 64, in
 
 
 def save_tiny_chat_model(path: Path) -> Path:
-    """The tokenizer and a random Llama of 0.2M parameters (hidden 128) for it, in one directory."""
+    """The tokenizer and a random Llama of 0.4M parameters (hidden 128) for it, in one directory."""
     tokenizer = save_chat_tokenizer(path)
     return save_tiny_llama(path, vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256,
                            max_position_embeddings=128, eos_token_id=tokenizer.eos_token_id,
