@@ -9,9 +9,8 @@ import torch.nn.functional as F
 
 from tessera.config import ConfigError, ModelConfig
 from tessera.kernels.delta_rule import gated_delta_rule, gated_delta_step
-from tessera.models.documents import Documents
 from tessera.models.gated_deltanet import GatedDeltaNet
-from tessera.models.gpt import initialize_parameters
+from tests.models.mixers import assert_packed_documents_equal_separate_runs, perturbed
 
 
 def recurrence(q, k, v, g, beta, document_ids):
@@ -79,12 +78,7 @@ def _config(**extra) -> ModelConfig:
 
 def _mixer(config: ModelConfig, seed: int = 0) -> GatedDeltaNet:
     torch.manual_seed(seed)
-    mixer = GatedDeltaNet(config, 0.02)
-    initialize_parameters(mixer, seed)
-    with torch.no_grad():   # away from the initial values, so that no part can be silently skipped
-        for param in mixer.parameters():
-            param.add_(0.1 * torch.randn_like(param))
-    return mixer
+    return perturbed(GatedDeltaNet(config, 0.02), seed)
 
 
 def test_mixer_equals_transformers_qwen3_next_gated_deltanet():
@@ -112,18 +106,7 @@ def test_mixer_equals_transformers_qwen3_next_gated_deltanet():
 
 
 def test_packed_documents_equal_separate_runs():
-    mixer = _mixer(_config(), seed=1)
-    lengths = [[7, 1, 12], [20]]
-    x = torch.randn(2, 20, 32)
-    documents = Documents.from_cu_seqlens(torch.tensor([0, 7, 8, 20, 40]), 2, 20, backend="per_document",
-                                          device=torch.device("cpu"))
-    packed = mixer(x, documents)
-    for row, row_lengths in enumerate(lengths):
-        start = 0
-        for length in row_lengths:
-            alone = mixer(x[row:row + 1, start:start + length])
-            torch.testing.assert_close(packed[row:row + 1, start:start + length], alone, rtol=1e-5, atol=1e-6)
-            start += length
+    assert_packed_documents_equal_separate_runs(_mixer(_config(), seed=1), hidden_size=32)
 
 
 @pytest.mark.parametrize("extra, message", [

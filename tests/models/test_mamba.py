@@ -11,6 +11,7 @@ from tessera.kernels.ssd import ssd_scan
 from tessera.models.documents import Documents
 from tessera.models.gpt import initialize_parameters
 from tessera.models.mamba import MambaMixer
+from tests.models.mixers import assert_packed_documents_equal_separate_runs, perturbed
 
 
 def recurrence(x, dt, A, B, C, D, document_ids):
@@ -52,12 +53,7 @@ def _config(**extra) -> ModelConfig:
 
 def _mixer(config: ModelConfig, seed: int = 0) -> MambaMixer:
     torch.manual_seed(seed)
-    mixer = MambaMixer(config, 0.02)
-    initialize_parameters(mixer, seed)
-    with torch.no_grad():   # away from the initial values, so that no part can be silently skipped
-        for param in mixer.parameters():
-            param.add_(0.1 * torch.randn_like(param))
-    return mixer
+    return perturbed(MambaMixer(config, 0.02), seed)
 
 
 def test_mixer_equals_transformers_mamba2_mixer():
@@ -85,18 +81,7 @@ def test_mixer_equals_transformers_mamba2_mixer():
 
 
 def test_packed_documents_equal_separate_runs():
-    mixer = _mixer(_config(), seed=1)
-    lengths = [[7, 1, 12], [20]]
-    x = torch.randn(2, 20, 32)
-    cu = torch.tensor([0, 7, 8, 20, 40])
-    documents = Documents.from_cu_seqlens(cu, 2, 20, backend="per_document", device=torch.device("cpu"))
-    packed = mixer(x, documents)
-    for row, row_lengths in enumerate(lengths):
-        start = 0
-        for length in row_lengths:
-            alone = mixer(x[row:row + 1, start:start + length])
-            torch.testing.assert_close(packed[row:row + 1, start:start + length], alone, rtol=1e-5, atol=1e-6)
-            start += length
+    assert_packed_documents_equal_separate_runs(_mixer(_config(), seed=1), hidden_size=32)
 
 
 def test_pattern_sets_layers_and_pipeline_segments():
