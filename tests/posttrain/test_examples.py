@@ -1,4 +1,4 @@
-"""examples/sft.py end to end in its --quick setting: SFT, then LoRA and DPO on the SFT model.
+"""examples/sft.py end to end in its --quick setting: SFT, LoRA on the SFT model, DPO on a weaker one.
 
 A few steps teach no sorting, so accuracies are not compared; what the steps do teach is checked.
 """
@@ -41,3 +41,7 @@ def test_dpo_trains_on_preference_pairs_from_the_sft_model(work):
     result = sft.main(["--dpo", "--quick", "--work", str(work)])
     assert 0 <= result["before"] <= 1 and 0 <= result["after"] <= 1
     assert len(answers(work / "sort_heldout_dpo.jsonl")) == 8
+    # Each pair rejects the weak model's own wrong answer to its prompt.
+    weak = {row["messages"][0]["content"]: row["completion"] for row in answers(work / "sort_prompts_sft-weak.jsonl")}
+    pairs = answers(work / "sort_preferences.jsonl")
+    assert pairs and all(pair["rejected"] == weak[pair["prompt"]] != pair["chosen"] for pair in pairs)
