@@ -51,8 +51,13 @@ MODES = {"compiled": dict(cuda_graphs=True, compile=True), "graphs": dict(cuda_g
 
 
 def build_model(name: str, device: torch.device, dtype: torch.dtype) -> GPTModel:
+    return random_model(ModelConfig(**CONFIGS[name], **LLAMA), device, dtype)
+
+
+def random_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> GPTModel:
+    """A GPTModel of `config` with seed-0 random weights in `dtype`, ready for an Engine."""
     with torch.device(device):
-        model = GPTModel(ModelConfig(**CONFIGS[name], **LLAMA))
+        model = GPTModel(config)
     initialize_parameters(model, seed=0)
     return model.to(dtype).eval()
 
@@ -75,6 +80,24 @@ def timed_run(engine: Engine, batch: int, prompt: int, new: int, generator: torc
     elapsed = time.perf_counter() - start
     assert tokens == batch * new, (tokens, batch * new)
     return dict(elapsed=elapsed, first=first)
+
+
+def measure_batch(engine: Engine, batch: int, prompt: int, new: int, generator: torch.Generator,
+                  device: torch.device) -> dict:
+    """Two untimed runs of `batch` requests (compilation, graph capture), then a timed one: its speeds."""
+    start = time.perf_counter()
+    for _ in range(2):
+        timed_run(engine, batch, prompt, new, generator)
+    warmup = time.perf_counter() - start
+    with GpuSampler(device.index or 0) as gpu:
+        run = timed_run(engine, batch, prompt, new, generator)
+        graph = None if device.type != "cuda" else graph_ms(engine, batch)
+    return dict(batch=batch, prompt=prompt, new_tokens=new, tokens_per_s=round(batch * new / run["elapsed"], 1),
+                ms_per_token=round(run["elapsed"] / new * 1e3, 3), first_token_ms=round(run["first"] * 1e3, 2),
+                decode_tokens_per_s=round(batch * (new - 1) / (run["elapsed"] - run["first"]), 1),
+                warmup_s=round(warmup, 1), graph_ms=graph,
+                peak_alloc_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
+                gpu=gpu.summary())
 
 
 def graph_ms(engine: Engine, batch: int, replays: int = 50) -> float | None:
@@ -129,21 +152,8 @@ def main() -> None:
         engine = Engine(model, max_requests=max(args.batches), **MODES[mode])
         generator = torch.Generator().manual_seed(0)
         for batch in args.batches:
-            start = time.perf_counter()
-            for _ in range(2):   # warm-up: compilation, graph capture
-                timed_run(engine, batch, args.prompt, args.new, generator)
-            warmup = time.perf_counter() - start
-            with GpuSampler(device.index or 0) as gpu:
-                run = timed_run(engine, batch, args.prompt, args.new, generator)
-                graph = None if device.type != "cuda" else graph_ms(engine, batch)
-            record = dict(row=f"tessera-engine-{mode}", config=args.config, batch=batch, prompt=args.prompt,
-                          new_tokens=args.new, tokens_per_s=round(batch * args.new / run["elapsed"], 1),
-                          ms_per_token=round(run["elapsed"] / args.new * 1e3, 3),
-                          first_token_ms=round(run["first"] * 1e3, 2),
-                          decode_tokens_per_s=round(batch * (args.new - 1) / (run["elapsed"] - run["first"]), 1),
-                          warmup_s=round(warmup, 1), params=params,
-                          graph_ms=graph, peak_alloc_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2)
-                          if device.type == "cuda" else None, gpu=gpu.summary())
+            record = dict(row=f"tessera-engine-{mode}", config=args.config, params=params,
+                          **measure_batch(engine, batch, args.prompt, args.new, generator, device))
             print("RESULT " + json.dumps(record), flush=True)
             records.append(record)
             if args.profile and mode == args.modes[0] and device.type == "cuda":
