@@ -40,6 +40,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from tessera.kernels.precision import without_autocast
+
 BACKENDS = ("torch", "fla")
 CHUNK_SIZE = 64   # Megatron's GatedDeltaNet and transformers' Qwen3-Next
 L2_EPS = 1e-6     # flash-linear-attention's l2norm
@@ -60,6 +62,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     return (out, final) if return_final_states else out
 
 
+@without_autocast
 def gated_delta_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The recurrence for one token of each row, no chunks: state [rows, value_heads, K, V], q and k
@@ -84,6 +87,7 @@ def _normalized_heads(q: torch.Tensor, k: torch.Tensor, heads: int, dtype: torch
     return q * q.shape[-1] ** -0.5, k
 
 
+@without_autocast
 def _chunked(q, k, v, g, beta, document_ids, chunk_size: int, initial_states) -> tuple[torch.Tensor, torch.Tensor]:
     batch, seq, heads, _ = v.shape
     dtype = torch.promote_types(v.dtype, torch.float32)   # fp32 at least; fp64 stays fp64 (the tests)

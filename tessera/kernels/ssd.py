@@ -33,6 +33,8 @@ import functools
 
 import torch
 
+from tessera.kernels.precision import without_autocast
+
 BACKENDS = ("torch", "mamba_ssm")
 CHUNK_SIZE = 128   # Megatron's MambaMixer default
 
@@ -58,6 +60,7 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     return (y, final) if return_final_states else y
 
 
+@without_autocast
 def ssd_step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
              C: torch.Tensor, D: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The recurrence for one token of each row, no scan: state [rows, heads, P, N], x [rows, heads, P],
@@ -72,6 +75,7 @@ def ssd_step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Te
     return y.to(x.dtype), state
 
 
+@without_autocast
 def _chunked(x, dt, A, B, C, D, document_ids, chunk_size: int, initial_states) -> tuple[torch.Tensor, torch.Tensor]:
     batch, seq, heads, _ = x.shape
     per_group = heads // B.shape[2]

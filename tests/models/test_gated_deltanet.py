@@ -69,6 +69,24 @@ def test_the_rule_in_pieces_from_the_state_between_them_equals_one_pass():
     torch.testing.assert_close(state, final, rtol=1e-12, atol=1e-12)
 
 
+def test_rule_and_step_stay_fp32_under_autocast():
+    """Under bf16 autocast (the trainer's) the chunked rule and the decode step compute what they
+    compute without it: their products are fp32, not autocast's bf16."""
+    generator = torch.Generator().manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=generator)  # noqa: E731
+    q, k, v = rand(2, 40, 2, 16), rand(2, 40, 2, 16), rand(2, 40, 4, 8)
+    g, beta = -F.softplus(rand(2, 40, 4)), torch.sigmoid(rand(2, 40, 4))
+    state = rand(2, 4, 16, 8)
+
+    def both():
+        return (gated_delta_rule(q, k, v, g, beta, chunk_size=16),
+                gated_delta_step(state, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0]))
+    plain = both()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = both()
+    torch.testing.assert_close(autocast, plain, rtol=0, atol=0)
+
+
 def _config(**extra) -> ModelConfig:
     return ModelConfig(**{**dict(hidden_size=32, num_attention_heads=4, seq_length=32, vocab_size=64,
                                  normalization="RMSNorm", disable_bias_linear=True, hybrid_layer_pattern="G",

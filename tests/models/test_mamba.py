@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from tessera.config import ConfigError, ModelConfig
 from tessera.config.hybrid import stage_ranges
-from tessera.kernels.ssd import ssd_scan
+from tessera.kernels.ssd import ssd_scan, ssd_step
 from tessera.models.documents import Documents
 from tessera.models.gpt import initialize_parameters
 from tessera.models.mamba import MambaMixer
@@ -42,6 +42,20 @@ def test_chunked_scan_equals_the_fp64_recurrence(chunk_size):
         expected = recurrence(x, dt, A, B, C, D, ids if document_ids is not None else torch.zeros(batch, seq))
         got = ssd_scan(x, dt, A, B, C, D, document_ids=document_ids, chunk_size=chunk_size)
         torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_scan_and_step_stay_fp32_under_autocast():
+    """Under bf16 autocast (the trainer's) the scan and the decode step compute what they compute
+    without it: their products are fp32, not autocast's bf16."""
+    generator = torch.Generator().manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=generator)  # noqa: E731
+    x, B, C = rand(2, 40, 4, 8), rand(2, 40, 2, 16), rand(2, 40, 2, 16)
+    dt, A, D = F.softplus(rand(2, 40, 4)), -rand(4).abs(), rand(4)
+    state = rand(2, 4, 8, 16)
+    plain = ssd_scan(x, dt, A, B, C, D, chunk_size=16), ssd_step(state, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = ssd_scan(x, dt, A, B, C, D, chunk_size=16), ssd_step(state, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D)
+    torch.testing.assert_close(autocast, plain, rtol=0, atol=0)
 
 
 def _config(**extra) -> ModelConfig:
