@@ -153,7 +153,7 @@ class GPTModel(nn.Module):
         with `documents` (packed samples) attention stays within each document."""
         rope = self._rope(hidden, position_ids)
         layers = list(self.layers if layers is None else layers)
-        for start, end, recomputed in self._layer_chunks(len(layers)):
+        for start, end, recomputed in self.layer_chunks(len(layers)):
             def run(h, chunk=layers[start:end]):
                 for layer in chunk:
                     h = layer(h, rope, documents)
@@ -223,7 +223,7 @@ class GPTModel(nn.Module):
             return self.head_with_mtp(hidden, input_ids, labels, position_ids, documents)
         return self.head(hidden, labels)
 
-    def _layer_chunks(self, num_layers: int) -> list[tuple[int, int, bool]]:
+    def layer_chunks(self, num_layers: int) -> list[tuple[int, int, bool]]:
         """(start, end, recomputed) ranges of layers run together."""
         r = self.recompute
         if r.granularity != "full":

@@ -114,7 +114,7 @@ def build_model(config: RunConfig, mesh: Mesh, device: torch.device, chunks: lis
 def _recomputed_layers(model: GPTModel, chunks: list[range] | None) -> set[int]:
     """The layers --recompute-granularity full recomputes: they save only their input."""
     runs = [list(chunk) for chunk in chunks] if chunks is not None else [[index for index, _ in model.layers.items()]]
-    return {run[i] for run in runs for start, end, recomputed in model._layer_chunks(len(run)) if recomputed
+    return {run[i] for run in runs for start, end, recomputed in model.layer_chunks(len(run)) if recomputed
             for i in range(start, end)}
 
 
