@@ -259,6 +259,11 @@ class TrainingOptimizer:
         others = {id(p) for p in self.muon.params} if self.muon is not None else set()
         return muon + per_element * sum(_local(p).numel() for p in self.model.parameters() if id(p) not in others)
 
+    def host_state_bytes(self) -> int:
+        """The part of `state_bytes` kept in host memory (--optimizer-cpu-offload)."""
+        offload = getattr(self.inner, "offload", None)
+        return offload.host_bytes() if offload is not None else 0
+
 
 def build_optimizer(model: nn.Module, optim: OptimConfig, parallel: ParallelConfig, mesh: Mesh, *,
                     bf16: bool = False, pipeline: PipelineGroups | None = None, micro_batches: int = 1,

@@ -419,6 +419,11 @@ class Trainer:
         self.metrics.info(f" pipeline bubble per stage: {' '.join(f'{s.item():.1%}' for s in stages)} "
                           f"(theory {self.pipeline.schedule.theoretical_bubble():.1%}, {self.pipeline.schedule.name})")
 
+    def _optimizer_state(self) -> str:
+        total, host = self.optimizer.state_bytes() / 2**30, self.optimizer.host_state_bytes() / 2**30
+        where = f" ({host:.3f} GiB of it in host memory)" if host else ""
+        return f"{total:.3f} GiB/rank{where}"
+
     def _log_start(self) -> None:
         cfg, mesh = self.config, self.mesh
         params = count_parameters(cfg.model, self.model.vocab_size)
@@ -429,7 +434,7 @@ class Trainer:
             f"{mesh.world_size} x {self.device.type} | TP {mesh.tp_size} CP {mesh.cp_size} DP {mesh.dp_size} "
             f"PP {mesh.pp_size}{experts} | {cfg.train.dtype_name} | global batch {cfg.train.global_batch_size} = "
             f"{cfg.num_micro_batches} micro-batches x {cfg.train.micro_batch_size} x DP {mesh.dp_size} "
-            f"| seq {cfg.model.seq_length} | optimizer state {self.optimizer.state_bytes() / 2**30:.3f} GiB/rank"
+            f"| seq {cfg.model.seq_length} | optimizer state {self._optimizer_state()}"
         )
         for note in cfg.notes:
             self.metrics.info(note)

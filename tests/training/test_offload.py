@@ -44,15 +44,21 @@ def _assert_same_weights_and_state(a: Trainer, b: Trainer) -> None:
 @pytest.mark.parametrize("flags", [["--bf16", "--optimizer-offload-fraction", "0.6"],
                                    ["--bf16", "--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16"],
                                    []], ids=["bf16-masters-part", "remainders-bf16-moment", "fp32-moments"])
-def test_offloaded_state_trains_to_the_same_bits(flags):
+def test_offloaded_state_trains_to_the_same_bits(flags, capsys):
     """fp32 masters apart from bf16 weights (60% offloaded), their remainders with a bf16 moment,
-    and fp32 weights that are their own masters (only the moments offloaded)."""
+    and fp32 weights that are their own masters (only the moments offloaded). The start-up line
+    says how much of the state is in host memory."""
     reference, expected = _train(*flags)
+    assert "in host memory" not in capsys.readouterr().out
     offloaded, losses = _train(*flags, *OFFLOAD)
+    assert f"({offloaded.optimizer.host_state_bytes() / 2**30:.3f} GiB of it in host memory)" in capsys.readouterr().out
     assert losses == expected
     _assert_same_weights_and_state(offloaded, reference)
     state = offloaded.optimizer.inner.offload
-    assert len(state.chunks) > 1 and state.host_elements() > 0
+    assert len(state.chunks) > 1
+    adam = offloaded.optimizer.inner.optimizer
+    held = sum(t.nbytes for m in state.offloaded for t in (adam.state[m]["exp_avg"], adam.state[m]["exp_avg_sq"]))
+    assert state.host_bytes() == held + sum(m.nbytes for m in state.apart) > 0
     masters = [master for master, *_ in offloaded.optimizer.inner.slices()]
     assert 0 < len(state.offloaded) <= len(masters)
     # Each offloaded tensor kept its identity: the optimizer's state is still keyed by the masters.

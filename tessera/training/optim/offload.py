@@ -87,9 +87,11 @@ class OptimizerOffload:
         self.copies = _CopyStreams(device)
         self._early: dict[int, list] = {}   # chunk index -> its (tensor, host copy) pairs, brought up already
 
-    def host_elements(self) -> int:
-        """Elements of state kept on the host (masters apart, and twice the moments')."""
-        return sum(m.numel() for m in self.apart) + len(MOMENTS) * sum(m.numel() for m in self.offloaded)
+    def host_bytes(self) -> int:
+        """Bytes of state kept in host memory: the masters apart and the offloaded masters' moments
+        (before the first step, what they will take)."""
+        moments = sum(dtype.itemsize for dtype in self.optimizer.moment_dtypes)
+        return sum(m.numel() * m.element_size() for m in self.apart) + moments * sum(m.numel() for m in self.offloaded)
 
     def prefetch(self) -> None:
         """Start bringing the first chunks up (at the last backward): the step finds them there."""
