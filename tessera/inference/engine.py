@@ -33,6 +33,7 @@ import torch
 from tessera.inference.cuda_graphs import GreedyRun
 from tessera.inference.kv_cache import PagedKVCache
 from tessera.inference.recurrent_state import StatePool
+from tessera.inference.routing import RoutingRecorder
 from tessera.inference.runner import ModelRunner
 from tessera.inference.sampling import Sampler, SamplingParams
 from tessera.inference.scheduler import Request, ScheduledRow, Scheduler
@@ -62,6 +63,7 @@ class Completion:
     logprobs: list[float] | None
     top_logprobs: list[dict[int, float]] | None
     finish_reason: str | None
+    routed_experts: torch.Tensor | None = None   # [tokens, MoE layers, k] with `record_routing`
 
 
 class Engine:
@@ -85,13 +87,15 @@ class Engine:
     tokens up to its end. While the same requests keep decoding so, the next run is queued
     before the host reads the last one (the GPU does not wait for the host between them); a
     request that ends in a run has its tokens of the queued run dropped.
+    `record_routing` (MoE models) records the experts of every token of each request, returned with
+    its Completion (tessera.inference.routing); its steps run eagerly, one at a time.
     """
 
     def __init__(self, model: GPTModel, *, max_requests: int = 64, max_seq_length: int | None = None,
                  block_size: int = 16, num_blocks: int | None = None, max_batched_tokens: int = 2048,
                  eos_token_ids: Sequence[int] = (), seed: int = 0, prefix_caching: bool = False,
                  cuda_graphs: bool = True, compile: bool = True, kv_memory_fraction: float = 0.8,
-                 vocab_size: int | None = None, decode_steps: int = 16):
+                 vocab_size: int | None = None, decode_steps: int = 16, record_routing: bool = False):
         config = model.config
         limit = config.max_position_embeddings or config.seq_length
         self.max_seq_length = max_seq_length or limit
@@ -124,10 +128,13 @@ class Engine:
         self.states = StatePool(state_shapes, max_requests + 1, parameter.device) if state_shapes else None
         self.scheduler = Scheduler(self.cache.allocator, max_requests=max_requests,
                                    max_batched_tokens=max_batched_tokens)
+        if record_routing:
+            decode_steps = 1   # a greedy run's steps chain on the device, routing unread
         self.runner = ModelRunner(model, self.cache, self.vocab_size, max_rows=max_requests,
                                   max_blocks=blocks_per_request, max_tokens=max_batched_tokens,
                                   cuda_graphs=cuda_graphs, compile=compile,
-                                  decode_steps=decode_steps, states=self.states)
+                                  decode_steps=decode_steps, states=self.states,
+                                  recorder=RoutingRecorder(model) if record_routing else None)
         self.decode_steps = decode_steps
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids)
         self._generator = torch.Generator().manual_seed(seed)
@@ -290,7 +297,8 @@ class Engine:
             self.step()
         return [Completion(r.prompt_token_ids, r.output_token_ids,
                            r.logprobs if r.params.logprobs is not None else None,
-                           r.top_logprobs if r.params.logprobs is not None else None, r.finish_reason)
+                           r.top_logprobs if r.params.logprobs is not None else None, r.finish_reason,
+                           r.routed_experts[:r.num_tokens] if r.routed_experts is not None else None)
                 for r in requests]
 
     def warm_up(self) -> float:

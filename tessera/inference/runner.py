@@ -18,6 +18,7 @@ prompt, prompts after a cached prefix) run in one eager pass.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from typing import Sequence
@@ -29,6 +30,7 @@ from tessera.inference.cuda_graphs import DecodeGraphs, GreedyRun, PromptGraphs
 from tessera.inference.kv_cache import NULL_BLOCK, PagedKVCache
 from tessera.inference.paged_attention import ContinuedRow, StepAttention
 from tessera.inference.recurrent_state import PromptRow, StatePool, StepStates
+from tessera.inference.routing import RoutingRecorder
 from tessera.inference.scheduler import ScheduledRow
 from tessera.models.documents import default_backend
 from tessera.models.gpt import GPTModel
@@ -82,15 +84,16 @@ class ModelRunner:
 
     def __init__(self, model: GPTModel, cache: PagedKVCache, vocab_size: int, *, max_rows: int, max_blocks: int,
                  max_tokens: int, cuda_graphs: bool, compile: bool, decode_steps: int = 1,
-                 states: StatePool | None = None):
+                 states: StatePool | None = None, recorder: RoutingRecorder | None = None):
         self.model, self.cache, self.vocab_size, self.states = model, cache, vocab_size, states
+        self.recorder = recorder   # records each forward's MoE routing: eager steps only
         parameter = next(model.parameters())
         self.device, self.dtype = parameter.device, parameter.dtype
         # single-row decode steps through fused kernels, which compute transformer blocks only
-        self.fused = model.config.hybrid_layer_pattern is None and fused_decode.supported(model)
+        self.fused = model.config.hybrid_layer_pattern is None and fused_decode.supported(model) and recorder is None
         self.graphs = self.prompt_graphs = None
         self._eager_next: tuple[GreedyRun, torch.Tensor, torch.Tensor] | None = None   # continue_greedy's inputs
-        if cuda_graphs and self.device.type == "cuda":
+        if cuda_graphs and self.device.type == "cuda" and recorder is None:
             if graphs_supported(model, self.dtype):
                 self.graphs = DecodeGraphs(functools.partial(decode_logits, model, cache, fused=self.fused,
                                                              states=states), max_rows=max_rows, max_blocks=max_blocks,
@@ -169,8 +172,13 @@ class ModelRunner:
         if self.graphs is not None:
             return self.graphs(ids, positions, tables, slots)
         to_device = functools.partial(torch.tensor, device=self.device)
-        return decode_logits(self.model, self.cache, to_device(ids), to_device(positions), self._padded(tables),
-                             to_device(slots), fused=self.fused, states=self.states)
+        with self._recording(rows):
+            return decode_logits(self.model, self.cache, to_device(ids), to_device(positions),
+                                 self._padded(tables), to_device(slots), fused=self.fused, states=self.states)
+
+    def _recording(self, rows: Sequence[ScheduledRow]):
+        """Around a forward of `rows` in this order: their MoE routing recorded, when it is."""
+        return self.recorder.recording(rows) if self.recorder is not None else contextlib.nullcontext()
 
     def _padded(self, tables: Sequence[list[int]]) -> torch.Tensor:
         """Block tables [rows, the longest], padded with the null block."""
@@ -204,8 +212,9 @@ class ModelRunner:
                 states.decode_positions = step.decode_positions
         ends = torch.tensor([r.count for r in ordered]).cumsum(0) - 1
         sampling = [i for i, row in enumerate(ordered) if row.samples]
-        logits = forward_tokens(self.model, to_device(ids)[None], to_device(positions)[None], step,
-                                ends[sampling].to(self.device), states)
+        with self._recording(ordered):
+            logits = forward_tokens(self.model, to_device(ids)[None], to_device(positions)[None], step,
+                                    ends[sampling].to(self.device), states)
         return _in_order_of(rows, dict(zip((id(ordered[i]) for i in sampling), logits)), logits[:0])
 
     def _decode_then_prompts(self, rows: Sequence[ScheduledRow], decode: list[ScheduledRow],

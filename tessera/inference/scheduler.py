@@ -31,6 +31,8 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from tessera.inference.kv_cache import BlockAllocator
 from tessera.inference.sampling import SamplingParams
 
@@ -50,6 +52,7 @@ class Request:
     state_slot: int | None = None   # while running: its slot in the recurrent layers' state pool
     preemptions: int = 0
     finish_reason: str | None = None
+    routed_experts: torch.Tensor | None = None   # with routing recorded: tessera.inference.routing
 
     @property
     def num_tokens(self) -> int:

@@ -23,6 +23,12 @@ step's micro-batches so far.
 The router also records, while training, the tokens each expert received and each loss's
 unweighted value, summed over the step's micro-batches (`tokens_per_expert`,
 `loss_totals`): the trainer logs them and updates the expert bias from them once per step.
+
+Router replay (Megatron-Core's RouterReplay, megatron/core/transformer/moe/router_replay.py):
+while `recorded` is a list, each forward appends the experts it chose [T, k]; while `replay`
+is set ([T, k], -1 for a token left to the router), those experts are used instead of the
+router's own top-k, weighted by the current scores at them, so the router still learns.
+GRPO records its rollouts' routing and replays it in training (tessera.posttrain.grpo_replay).
 """
 
 from __future__ import annotations
@@ -85,6 +91,8 @@ class Router(nn.Module):
         self.register_buffer("global_tokens_per_expert", torch.zeros(self.num_experts), persistent=False)
         self.register_buffer("global_micro_batches", torch.zeros(()), persistent=False)
         self.recording = True   # off while full recomputation replays a forward
+        self.recorded: list[torch.Tensor] | None = None   # router replay: each forward's experts [T, k]
+        self.replay: torch.Tensor | None = None           # router replay: the experts to use [T, k]
 
     def forward(self, x: torch.Tensor, batch_size: int) -> tuple[Routing, torch.Tensor | None]:
         """Routing of x [tokens, hidden] (`batch_size` sequences, token-major), and the weighted sum of
@@ -132,6 +140,16 @@ class Router(nn.Module):
         return probs, experts
 
     def _select(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k of scores [T, E] (the replayed experts where `replay` gives them), and the scores there."""
+        top, experts = self._own_top_k(scores)
+        if self.recorded is not None:
+            self.recorded.append(experts)
+        if self.replay is None:
+            return top, experts
+        experts = torch.where(self.replay >= 0, self.replay, experts)
+        return scores.gather(1, experts), experts
+
+    def _own_top_k(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k of scores [T, E], limited to the best groups with group-limited routing."""
         if self.num_groups:
             tokens = scores.shape[0]
