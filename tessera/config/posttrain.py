@@ -2,7 +2,8 @@
 
 The flag names are Megatron-LM's where it has them (`--sft`, `--sft-tokenizer-prompt-format`;
 megatron/training/arguments.py, _add_sft_args; `--grpo-group-size`, `--grpo-iterations`,
-`--grpo-kl-beta`, _add_rl_args) and Megatron-Bridge's LoRA names otherwise
+`--grpo-kl-beta`, _add_rl_args; `--moe-enable-routing-replay`, TransformerConfig's
+moe_enable_routing_replay) and Megatron-Bridge's LoRA names otherwise
 (`linear_qkv linear_proj linear_fc1 linear_fc2`, src/megatron/bridge/peft/lora.py).
 """
 
@@ -64,6 +65,9 @@ class PostTrainConfig:
     grpo_loss_type: str = option("grpo", "how token losses add up: grpo (mean over each answer's tokens, then over "
                                  "answers), dapo (mean over the global batch's tokens), dr_grpo (sum / answers x "
                                  "--grpo-max-new-tokens)", GRPO_LOSS_TYPES, group=GRPO)
+    moe_enable_routing_replay: bool = option(
+        False, "MoE router replay: the training forward sends each token of a rollout to the experts the "
+        "inference engine routed it to (the router's weights at those experts still train)", group=GRPO)
 
     def __post_init__(self) -> None:
         positive(self, "lora_rank", "lora_alpha", "dpo_beta", "grpo_group_size", "grpo_max_new_tokens",
@@ -76,6 +80,8 @@ class PostTrainConfig:
         require(self.grpo_temperature > 0, "--grpo-temperature must be > 0 (GRPO samples its answers)")
         require(0 < self.grpo_top_p <= 1, "--grpo-top-p must be in (0, 1]")
         require(self.grpo_kl_coeff >= 0, "--grpo-kl-coeff must be >= 0")
+        require(self.grpo or not self.moe_enable_routing_replay, "--moe-enable-routing-replay needs --grpo (it "
+                "replays the routing of GRPO's rollouts in training)")
         if self.lora_rank is None:
             require(self.lora_alpha is None and self.lora_dropout == 0 and self.lora_exclude_modules is None
                     and self.lora_target_modules == list(LORA_MODULES),

@@ -147,7 +147,9 @@ class RunConfig:
                     "the engine runs whole sequences"),
                    ("--sequence-parallel", parallel.sequence_parallel, "the engine's steps hold a few tokens"),
                    ("--use-torch-fsdp2", parallel.use_torch_fsdp2, "the engine reads whole weights"),
-                   ("--num-experts", bool(model.num_experts), "the rollout's routing is not replayed in training"),
+                   ("--expert-model-parallel-size or --expert-tensor-parallel-size > 1",
+                    bool(model.num_experts) and parallel.expert_model_parallel_size * parallel.expert_tensor_size > 1,
+                    "each rank's engine steps on its own prompts: the experts' collectives need the ranks in step"),
                    ("--mtp-num-layers", bool(model.mtp_num_layers), "GRPO scores the answers with the LM head alone"),
                    ("--hybrid-layer-pattern", model.hybrid_layer_pattern is not None,
                     "the engine keeps no Mamba-2 state"),
@@ -159,6 +161,11 @@ class RunConfig:
                    ("--mock-data", self.data.mock_data, "GRPO reads prompts from --data-path")]
         for name, given, why in refused:
             require(not given, f"--grpo does not combine with {name} ({why})")
+        if post.moe_enable_routing_replay:
+            require(bool(model.num_experts), "--moe-enable-routing-replay needs a MoE model (--num-experts)")
+            require(not model.moe_expert_capacity_factor, "--moe-enable-routing-replay does not combine with "
+                    "--moe-expert-capacity-factor (an expert drops tokens by the batch they are in, which differs "
+                    "between rollout and training)")
 
     def _check_optimizer(self) -> None:
         """What --optimizer sgd and muon take of the data-parallel layout (tessera.training.optimizer)."""

@@ -34,6 +34,10 @@ model with its LoRA adapters off, or a frozen copy of the initial model), both i
 mode and on the step's own micro-batches, so that the first step's ratio is exactly 1.
 A resume starts a new batch of answers (with the same prompts and seeds) at the step it
 stopped at, from the weights it saved.
+
+MoE: with --moe-enable-routing-replay the engine records each token's experts and every
+training forward on the rows routes them there (tessera.posttrain.grpo_replay); without it
+the trainer's routers choose for themselves.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from tessera.posttrain.grpo import (
     ADVANTAGES, ENGINE_LOG_PROBS, OLD_LOG_PROBS, REFERENCE_LOG_PROBS, group_advantages,
 )
 from tessera.posttrain.grpo_data import Prompt, PromptSet
+from tessera.posttrain.grpo_replay import ROUTED_EXPERTS, RouterReplay, routed_experts_row
 from tessera.posttrain.rewards import Rewards
 from tessera.posttrain.sft_data import ChatTokenizer
 
@@ -102,6 +107,9 @@ class Rollouts:
             from tessera.posttrain.lora import adapters_off
 
             self.reference = (model, adapters_off) if post.lora else (reference, contextlib.nullcontext)
+        self.replay = None
+        if post.moe_enable_routing_replay:
+            self.replay = RouterReplay([model] + ([reference] if reference is not None else []))
         self.engine: Engine | None = None
         self.rollout = start_iteration // self.iterations
         self._queue: deque[Batch] = deque()
@@ -132,10 +140,12 @@ class Rollouts:
         completions = self._sample(prompts)
         rewards = self._rewards(prompts, completions)
         advantages = group_advantages(rewards.sum(dim=1), self.group_size)
+        answers = [completion for group in completions for completion in group]
         rows = [answer_row(prompt.token_ids, completion, self.seq_length, self.tokenizer.pad)
                 for (_, prompt), group in zip(prompts, completions) for completion in group]
         micro_batches = [self._micro_batch(rows[i:i + self.micro_batch_size],
-                                           advantages[i:i + self.micro_batch_size])
+                                           advantages[i:i + self.micro_batch_size],
+                                           answers[i:i + self.micro_batch_size])
                          for i in range(0, len(rows), self.micro_batch_size)]
         self._log_probs(micro_batches)
         self._metrics = self._rollout_metrics(rewards, completions)
@@ -149,9 +159,12 @@ class Rollouts:
     def _sample(self, prompts: list[tuple[int, Prompt]]) -> list[list[Completion]]:
         """--grpo-group-size answers to each prompt, from the engine, in evaluation mode."""
         self.before_rollout()
+        if self.replay is not None:
+            self.replay.clear()
         if self.engine is None:
             self.engine = Engine(self.model, max_requests=self.rows, max_seq_length=self.seq_length,
-                                 eos_token_ids=self._stop_ids(), seed=self.seed, vocab_size=self.model.vocab_size)
+                                 eos_token_ids=self._stop_ids(), seed=self.seed, vocab_size=self.model.vocab_size,
+                                 record_routing=self.replay is not None)
         ids, params = [], []
         for index, prompt in prompts:
             room = min(self.max_new_tokens, self.seq_length - len(prompt.token_ids))
@@ -188,11 +201,16 @@ class Rollouts:
         ids = completion.token_ids[:-1] if completion.finish_reason == "stop" else completion.token_ids
         return self.tokenizer.text.detokenize([i for i in ids if i < self.tokenizer.vocab_size])
 
-    def _micro_batch(self, rows: list[tuple], advantages: torch.Tensor) -> Batch:
+    def _micro_batch(self, rows: list[tuple], advantages: torch.Tensor, answers: list[Completion]) -> Batch:
         tokens, labels, mask, logprobs = zip(*rows)
-        return {"tokens": torch.tensor(tokens, device=self.device), "labels": torch.tensor(labels, device=self.device),
-                "loss_mask": torch.tensor(mask, device=self.device), ADVANTAGES: advantages,
-                ENGINE_LOG_PROBS: torch.tensor(logprobs, device=self.device)}
+        batch = {"tokens": torch.tensor(tokens, device=self.device), "labels": torch.tensor(labels, device=self.device),
+                 "loss_mask": torch.tensor(mask, device=self.device), ADVANTAGES: advantages,
+                 ENGINE_LOG_PROBS: torch.tensor(logprobs, device=self.device)}
+        if self.replay is not None:
+            experts = [routed_experts_row(answer, self.seq_length) for answer in answers]
+            batch[ROUTED_EXPERTS] = torch.stack(experts).to(self.device)
+            self.replay.add(batch)
+        return batch
 
     @torch.no_grad()
     def _log_probs(self, micro_batches: list[Batch]) -> None:

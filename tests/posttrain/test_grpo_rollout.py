@@ -128,7 +128,6 @@ def test_a_bad_reward_names_the_prompt(prompts, tmp_path, monkeypatch, body, say
 @pytest.mark.parametrize("flags, says", [
     (["--pipeline-model-parallel-size", "2"], "--grpo does not combine with --pipeline-model-parallel-size > 1"),
     (["--sft"], "--grpo does not combine with --sft or --dpo"),
-    (["--num-experts", "4"], "--grpo does not combine with --num-experts"),
     (["--grpo-group-size", "3"], "must hold whole groups of --grpo-group-size 3"),
 ])
 def test_flags_grpo_cannot_combine_with_are_one_line(prompts, flags, says, capsys):
