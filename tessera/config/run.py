@@ -12,7 +12,7 @@ from tessera.config.data import DataConfig
 from tessera.config.fields import ConfigError, require
 from tessera.config.hybrid import PIPE, check_hybrid_layout, stage_ranges
 from tessera.config.model import ModelConfig
-from tessera.config.moe import check_expert_layout
+from tessera.config.moe import aux_loss_coefficients, check_expert_layout
 from tessera.config.parallel import ParallelConfig
 from tessera.config.posttrain import PostTrainConfig
 from tessera.config.training import CheckpointConfig, OptimConfig, TrainConfig
@@ -150,6 +150,16 @@ class RunConfig:
                    ("--expert-model-parallel-size or --expert-tensor-parallel-size > 1",
                     bool(model.num_experts) and parallel.expert_model_parallel_size * parallel.expert_tensor_size > 1,
                     "each rank's engine steps on its own prompts: the experts' collectives need the ranks in step"),
+                   ("--moe-router-load-balancing-type global_aux_loss on data-parallel ranks",
+                    bool(model.num_experts) and "global_aux_loss" in aux_loss_coefficients(model)
+                    and self.data_parallel_size > 1,
+                    "its expert counts are all-reduced over the ranks in every forward, and each rank's engine "
+                    "steps on its own prompts"),
+                   ("--grpo-kl-coeff > 0 on a MoE model on data-parallel ranks without --lora-rank",
+                    bool(model.num_experts) and post.grpo_kl_coeff > 0 and not post.lora
+                    and self.data_parallel_size > 1,
+                    "the reference, a frozen copy of the start model, cannot copy the MoE layers' process groups; "
+                    "with LoRA the reference is the base model"),
                    ("--mtp-num-layers", bool(model.mtp_num_layers), "GRPO scores the answers with the LM head alone"),
                    ("--hybrid-layer-pattern", model.hybrid_layer_pattern is not None,
                     "the engine keeps no Mamba-2 state"),
