@@ -155,11 +155,6 @@ class RunConfig:
                     and self.data_parallel_size > 1,
                     "its expert counts are all-reduced over the ranks in every forward, and each rank's engine "
                     "steps on its own prompts"),
-                   ("--grpo-kl-coeff > 0 on a MoE model on data-parallel ranks without --lora-rank",
-                    bool(model.num_experts) and post.grpo_kl_coeff > 0 and not post.lora
-                    and self.data_parallel_size > 1,
-                    "the reference, a frozen copy of the start model, cannot copy the MoE layers' process groups; "
-                    "with LoRA the reference is the base model"),
                    ("--mtp-num-layers", bool(model.mtp_num_layers), "GRPO scores the answers with the LM head alone"),
                    ("--hybrid-layer-pattern", model.hybrid_layer_pattern is not None,
                     "the engine keeps no Mamba-2 state"),

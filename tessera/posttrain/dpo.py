@@ -211,8 +211,11 @@ class ModelReference:
 
 def frozen_reference(model: nn.Module, run_model: RunModel) -> ModelReference:
     """A frozen copy of the initial model: made before the policy trains (and before it is
-    compiled, sharded or cast to FP8), run on every micro-batch."""
-    return ModelReference(copy.deepcopy(model).requires_grad_(False), run_model)
+    compiled, sharded or cast to FP8), run on every micro-batch. The copy shares the model's
+    process groups (a MoE router's), which cannot be copied."""
+    groups = {id(value): value for module in model.modules() for value in vars(module).values()
+              if isinstance(value, dist.ProcessGroup)}
+    return ModelReference(copy.deepcopy(model, memo=groups).requires_grad_(False), run_model)
 
 
 def adapters_off_reference(model: nn.Module, run_model: RunModel, cp_group=None) -> ModelReference:

@@ -4,8 +4,9 @@ rollout metrics and weights after three steps agree (the third trains a second b
 
 The GRPO loss starts near 0 (the advantages of a group sum to 0): it is compared to 1e-6
 absolute; the weights and gradient norms as every layout is (tests/dist/equivalence.py). Layouts:
-DP=2, TP=2, the KL to a frozen copy under DP=2 with the distributed optimizer, and the KL to
-LoRA's adapters-off base under TP=2."""
+DP=2, TP=2, the KL to a frozen copy under DP=2 with the distributed optimizer, the KL to
+LoRA's adapters-off base under TP=2, and a MoE model replaying the rollout's routing with the KL
+to a frozen copy under DP=2."""
 
 import json
 import random
@@ -17,6 +18,7 @@ from tests.dist import equivalence
 from tests.dist.equivalence import assert_equivalent
 from tests.dist.launcher import run_distributed
 from tests.posttrain.test_grpo_rollout import GRPO
+from tests.posttrain.test_router_replay import MOE
 
 # Timings and the engine's distance from the trainer differ by layout; everything else must not.
 UNCOMPARED = ("rollout_seconds", "train_seconds", "logprob_gap")
@@ -53,12 +55,14 @@ def train_layouts(data: list[str], layouts: dict[str, list[str]]) -> dict[str, d
 def test_grpo_layouts_match_one_process(data):
     tp = ["--tensor-model-parallel-size", "2"]
     kl = ["--grpo-kl-coeff", "0.1"]
+    moe = kl + MOE + ["--moe-enable-routing-replay"]
     layouts = {"DP=2": [], "TP=2": tp, "KL frozen copy DP=2 distributed optimizer": kl + ["--use-distributed-optimizer"],
-               "KL LoRA TP=2": kl + LORA + tp}
-    references = {flags: train(data + list(flags)) for flags in ((), tuple(kl), tuple(kl + LORA))}
+               "KL LoRA TP=2": kl + LORA + tp, "MoE router replay KL frozen copy DP=2": moe}
+    references = {flags: train(data + list(flags)) for flags in ((), tuple(kl), tuple(kl + LORA), tuple(moe))}
     results = run_distributed(train_layouts, 2, data, layouts)[0]
     for name, result in results.items():
-        reference = references[tuple(kl + LORA) if "LoRA" in name else tuple(kl) if "KL" in name else ()]
+        reference = references[tuple(moe) if "MoE" in name else tuple(kl + LORA) if "LoRA" in name
+                               else tuple(kl) if "KL" in name else ()]
         assert any(terms["reward_std"] > 0 for terms in reference["terms"])   # the answers teach something
         torch.testing.assert_close(result["loss"], reference["loss"], rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"{name}: loss differs\n{m}")

@@ -155,8 +155,6 @@ def test_a_grpo_step_trains_with_replay(prompts):
      "--grpo does not combine with --expert-model-parallel-size or --expert-tensor-parallel-size > 1"),
     (GRPO + MOE + ["--moe-router-load-balancing-type", "global_aux_loss", "--moe-aux-loss-coeff", "0.01"], 2,
      "--grpo does not combine with --moe-router-load-balancing-type global_aux_loss on data-parallel ranks"),
-    (GRPO + MOE + ["--grpo-kl-coeff", "0.1"], 2,
-     "--grpo does not combine with --grpo-kl-coeff > 0 on a MoE model on data-parallel ranks without --lora-rank"),
 ])
 def test_the_flag_outside_a_moe_grpo_run_is_one_line(prompts, flags, world_size, says, capsys):
     with pytest.raises(SystemExit):
