@@ -156,8 +156,6 @@ class RunConfig:
                     "its expert counts are all-reduced over the ranks in every forward, and each rank's engine "
                     "steps on its own prompts"),
                    ("--mtp-num-layers", bool(model.mtp_num_layers), "GRPO scores the answers with the LM head alone"),
-                   ("--hybrid-layer-pattern", model.hybrid_layer_pattern is not None,
-                    "the engine keeps no Mamba-2 state"),
                    ("--fp8-format", bool(self.train.fp8_format), "the engine runs the weights as they are stored"),
                    ("--cuda-graph-impl full_iteration", self.train.cuda_graph_impl != "none",
                     "its per-row advantages are not in the captured step"),

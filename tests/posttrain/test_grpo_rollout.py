@@ -46,9 +46,13 @@ def step_batches(run: Trainer) -> list[dict]:
     return [next(run.train_data) for _ in range(run.config.num_micro_batches)]
 
 
-def test_rollout_log_probs_are_the_trainers(prompts):
-    """pi_old (--grpo-iterations 2) is the training forward's exactly; the engine's within 1e-6 (fp32)."""
-    run = trainer(prompts + ["--grpo-iterations", "2"])
+@pytest.mark.parametrize("model", [[], ["--model", "tiny-hybrid", "--vocab-size", "272", "--seq-length", "24"],
+                                   ["--model", "tiny-qwen3-next", "--vocab-size", "272", "--seq-length", "24"]],
+                         ids=["llama", "mamba2-hybrid", "gated-deltanet-moe"])
+def test_rollout_log_probs_are_the_trainers(prompts, model):
+    """pi_old (--grpo-iterations 2) is the training forward's exactly; the engine's within 1e-6
+    (fp32), also for the recurrent layers of hybrids, whose state the engine keeps per request."""
+    run = trainer(prompts + ["--grpo-iterations", "2"] + model)
     batches = step_batches(run)
     run.model.train()
     for batch in batches:
