@@ -65,6 +65,10 @@ class PostTrainConfig:
     grpo_loss_type: str = option("grpo", "how token losses add up: grpo (mean over each answer's tokens, then over "
                                  "answers), dapo (mean over the global batch's tokens), dr_grpo (sum / answers x "
                                  "--grpo-max-new-tokens)", GRPO_LOSS_TYPES, group=GRPO)
+    rl_kv_cache_management_mode: str = option(
+        "persist", "the inference engine's KV cache while the model trains: persist (kept, with its CUDA graphs) or "
+        "recompute (freed after each rollout for training's activations, made again and its CUDA graphs captured "
+        "again for the next)", ("persist", "recompute"), group=GRPO)
     moe_enable_routing_replay: bool = option(
         False, "MoE router replay: the training forward sends each token of a rollout to the experts the "
         "inference engine routed it to (the router's weights at those experts still train)", group=GRPO)
@@ -80,6 +84,8 @@ class PostTrainConfig:
         require(self.grpo_temperature > 0, "--grpo-temperature must be > 0 (GRPO samples its answers)")
         require(0 < self.grpo_top_p <= 1, "--grpo-top-p must be in (0, 1]")
         require(self.grpo_kl_coeff >= 0, "--grpo-kl-coeff must be >= 0")
+        require(self.grpo or self.rl_kv_cache_management_mode == "persist", "--rl-kv-cache-management-mode needs "
+                "--grpo (it manages the cache of GRPO's rollouts)")
         require(self.grpo or not self.moe_enable_routing_replay, "--moe-enable-routing-replay needs --grpo (it "
                 "replays the routing of GRPO's rollouts in training)")
         if self.lora_rank is None:

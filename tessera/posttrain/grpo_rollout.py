@@ -10,7 +10,8 @@ continuous batching over a paged KV cache) samples --grpo-group-size answers to 
 the trainer's own parameters: nothing is copied, and an optimizer step is seen by the next
 rollout as it is. The engine is built at the first rollout and kept; its KV cache holds
 exactly one rollout (its rows, of at most --seq-length tokens) and stays allocated while the
-model trains. The rows a rank trains are the rows it sampled, so a group's rewards and
+model trains, or with --rl-kv-cache-management-mode recompute is freed after each rollout (and
+made again, its CUDA graphs captured again, for the next). The rows a rank trains are the rows it sampled, so a group's rewards and
 advantages (tessera.posttrain.grpo) never leave the rank.
 
 Each answer becomes a row as a pretraining sample is one (--seq-length + 1 token slots:
@@ -111,6 +112,7 @@ class Rollouts:
         if post.moe_enable_routing_replay:
             self.replay = RouterReplay([model] + ([reference] if reference is not None else []))
         self.engine: Engine | None = None
+        self.release_engine = post.rl_kv_cache_management_mode == "recompute"
         self.rollout = start_iteration // self.iterations
         self._queue: deque[Batch] = deque()
         self._skip = start_iteration % self.iterations   # a resume inside a batch's iterations: the rest of them
@@ -174,6 +176,8 @@ class Rollouts:
                                              **self.sampling))
         with eval_mode(self.model):
             completions = self.engine.generate(ids, params)
+        if self.release_engine:   # its KV blocks, states and graphs' memory go to training
+            self.engine = None
         return [completions[i:i + self.group_size] for i in range(0, len(completions), self.group_size)]
 
     def _stop_ids(self) -> tuple[int, ...]:

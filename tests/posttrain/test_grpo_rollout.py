@@ -65,6 +65,18 @@ def test_rollout_log_probs_are_the_trainers(prompts, model):
     assert history[0].terms["clip_ratio"] == 0 and history[0].terms["logprob_gap"] <= 1e-6
 
 
+def test_a_released_kv_cache_trains_the_same(prompts):
+    """--rl-kv-cache-management-mode recompute frees the engine after each rollout and builds it
+    again for the next: the same answers and updates as the engine kept (two rollouts)."""
+    kept, released = trainer(prompts + ["--train-iters", "2"]), trainer(
+        prompts + ["--train-iters", "2", "--rl-kv-cache-management-mode", "recompute"])
+    expected, history = kept.train(), released.train()
+    assert [step.loss for step in history] == [step.loss for step in expected]
+    assert kept.train_data.engine is not None and released.train_data.engine is None
+    for a, b in zip(kept.model.parameters(), released.model.parameters()):
+        assert torch.equal(a, b)
+
+
 def vowels(prompt, completion: str, answer) -> float:
     """A reward a random model earns something of: its answer's vowels and digits, less one."""
     return sum(c in "aeiou0123456789" for c in completion) - 1.0

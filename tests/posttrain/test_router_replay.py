@@ -148,6 +148,8 @@ def test_a_grpo_step_trains_with_replay(prompts):
 @pytest.mark.parametrize("flags, world_size, says", [
     (["--model", "tiny-llama", "--mock-data", "--lr", "1e-3", "--train-iters", "1", *REPLAY], 1,
      "--moe-enable-routing-replay needs --grpo"),
+    (["--model", "tiny-llama", "--mock-data", "--lr", "1e-3", "--train-iters", "1", "--rl-kv-cache-management-mode",
+      "recompute"], 1, "--rl-kv-cache-management-mode needs --grpo"),
     (GRPO + ["--moe-enable-routing-replay"], 1, "--moe-enable-routing-replay needs a MoE model (--num-experts)"),
     (GRPO + REPLAY + ["--moe-expert-capacity-factor", "1"], 1,
      "--moe-enable-routing-replay does not combine with --moe-expert-capacity-factor"),
