@@ -1,8 +1,9 @@
 """Mamba-2, Gated DeltaNet, hybrid stacks and GPT-OSS on one GPU: the mixers' kernels, training and decode.
 
-On an H200, with flash-linear-attention's wheels (and einops) on the path:
+On an H200 (mamba-ssm not installed; flash-linear-attention from its wheels, no internet needed):
 
-    PYTHONPATH=/tmp/site python bench/mixers.py --out $OUT/mixers.jsonl
+    pip install --no-deps --target /tmp/site .whl/einops-*.whl .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl
+    PYTHONPATH=/tmp/site python bench/mixers.py --out $OUT/mixers.jsonl          # --parts 1, then 2 3 4, to split it
     python bench/mixers.py --tiny           (a CPU smoke run of every row, tiny shapes)
 
 Parts (`--parts 1 2 3 4`); each row in a process of its own, as bench/posttrain.py runs them (one
