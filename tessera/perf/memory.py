@@ -52,6 +52,10 @@ experts add theirs (`routed_expert_bytes`). Expert weights are sharded over EP x
 replicated over expert data parallelism (EDP = TP x CP x DP / (EP x ETP)), so the
 distributed optimizer shards their state over EDP, the dense state over DP x CP.
 
+A hybrid stack (--hybrid-layer-pattern) is priced layer by layer by its symbol: a `*` layer is
+the attention terms, a `-` or `E` layer the MLP or MoE terms, each with one norm input and no
+second norm to rebuild; a Mamba-2 or Gated DeltaNet layer is priced by tessera.perf.mixers.
+
 The pipeline decides how many micro-batches are alive: under 1F1B the first stage holds
 min(p, m) of them; under the interleaved schedule min(m*v, 2(p-1) + (v-1)p + 1) model
 chunks (Megatron's warm-up count plus the one in flight), which is the paper's
@@ -65,8 +69,10 @@ from dataclasses import dataclass, fields, replace
 from typing import NamedTuple
 
 from tessera.config import ModelConfig
+from tessera.config.hybrid import ATTENTION, layer_symbols
 from tessera.perf.flops import LayerParameters, attention_projections, count_parameters, layer_parameters
 from tessera.perf.layout import Layout
+from tessera.perf.mixers import MIXERS, mixer_activation_bytes
 from tessera.perf.offload import offloaded_activation_bytes, optimizer_chunk_bytes, optimizer_offload_bytes
 
 GIB = 2**30
@@ -104,24 +110,27 @@ class MemoryBreakdown:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("stage", "expert_state", "host")}
 
 
-def layer_activation_bytes(model: ModelConfig, layout: Layout, seq_length: int,
-                           fused_attention: bool = True, moe: bool = False, fp8: bool = False) -> float:
-    """Activations one transformer layer (a MoE layer if `moe`, with FP8 linears if `fp8`) saves
-    for backward, for one micro-batch on one GPU."""
-    s, b = seq_length / layout.cp, layout.micro_batch_size
-    h, a = model.hidden_size, model.num_attention_heads
+def layer_activation_bytes(model: ModelConfig, layout: Layout, seq_length: int, fused_attention: bool = True,
+                           moe: bool = False, fp8: bool = False, symbol: str | None = None) -> float:
+    """Activations one transformer layer (a MoE layer if `moe`, with FP8 linears if `fp8`; of a hybrid
+    stack, only its `symbol`'s part: attention, MLP, MoE or a mixer) saves for backward, for one
+    micro-batch on one GPU."""
+    residual = residual_bytes(layout)
+    if symbol in MIXERS:
+        return mixer_activation_bytes(model, layout, seq_length, symbol, residual)
+    s, b, h = seq_length / layout.cp, layout.micro_batch_size, model.hidden_size
+    attention, mlp = symbol in (None, ATTENTION), symbol != ATTENTION
     # A MoE layer's dense MLP is its shared expert, if it has one; the routed experts come on top.
-    f = (model.moe_shared_expert_intermediate_size or 0) if moe else model.ffn_hidden_size
-    q = model.num_attention_heads * model.kv_channels
-    kv = model.num_query_groups * model.kv_channels
+    f = ((model.moe_shared_expert_intermediate_size or 0) if moe else model.ffn_hidden_size) if mlp else 0
     t = layout.tp
     sp = t if layout.sequence_parallel else 1
     tessera = layout.framework == "tessera"
-    residual = residual_bytes(layout)
     if layout.recompute == "full":
         return residual * s * b * h / sp
-    norm_inputs = (1 if tessera and layout.compiled else 2) * residual * s * b * h
-    masks = 2 * s * b * h if model.hidden_dropout > 0 else 0.0
+    # A transformer block has two norms (a compiled one saves only the first's input), a hybrid layer one.
+    norms = 1 if symbol is not None or (tessera and layout.compiled) else 2
+    norm_inputs = norms * residual * s * b * h
+    masks = (2 if symbol is None else 1) * s * b * h if model.hidden_dropout > 0 else 0.0
     # tessera's FP8 linears save their bf16 inputs (tessera.kernels.fp8), and a compiled block then
     # rebuilds fc2's (the activation's output) and the norms' outputs (QKV's and fc1's inputs) in
     # backward rather than keeping them. Under SP those two are all-gathered, which it cannot redo.
@@ -133,30 +142,44 @@ def layer_activation_bytes(model: ModelConfig, layout: Layout, seq_length: int,
     # activation (tessera.kernels.activation_linear), where fc2 has no GEMMs of its own (FP8, overlap).
     fused_activation = tessera and not fp8 and not layout.tp_comm_overlap
     tensor_sharded = 2 * s * b * f * gated + (0.0 if rebuilds or fused_activation else 2 * s * b * f)
-    if model.multi_latent_attention:
-        replicated, gathered, sharded = mla_saved_elements(model, layout)
-        norm_inputs += replicated * s * b
-        gemm_inputs += gathered * s * b
-        tensor_sharded += sharded * s * b
-        q = model.num_attention_heads * model.v_head_dim   # the attention output's width
-    else:
-        gemm_inputs += 0.0 if rebuilds_norms else 2 * s * b * h   # QKV's
-        # Q, K and V for attention's backward, as wide as the QKV output (tessera's rotated Q and K are
-        # new tensors, and V is then copied out so as not to keep all of it), and attention's output.
-        tensor_sharded += 2 * s * b * (q + 2 * kv) + 2 * s * b * q
+    if attention:
+        attention_terms = _attention_saved_bytes(model, layout, s, b, rebuilds_norms, fused_attention)
+        norm_inputs, gemm_inputs, tensor_sharded = (
+            total + term for total, term in zip((norm_inputs, gemm_inputs, tensor_sharded), attention_terms))
     # A compiled block keeps the attention projection's output (after its all-reduce or
     # reduce-scatter) to rebuild the second norm's input, the residual, in backward.
-    projection_output = 2 * s * b * h if tessera and layout.compiled and layout.recompute != "selective" else 0.0
-    if layout.recompute != "selective":
-        if fused_attention:
-            tensor_sharded += 4 * s * b * a
-        else:
-            per_score = 5 if model.attention_dropout > 0 else 2   # scores, and mask + dropout output
-            tensor_sharded += per_score * a * s * s * b
+    projection_output = (2 * s * b * h if symbol is None and tessera and layout.compiled
+                         and layout.recompute != "selective" else 0.0)
     routed = routed_expert_bytes(model, layout, s * b / sp) if moe else 0.0
     if tessera and not layout.tp_comm_overlap:   # the whole GEMM inputs (replicated, or all-gathered under SP)
         return (norm_inputs + masks + projection_output) / sp + gemm_inputs + tensor_sharded / t + routed
     return (norm_inputs + masks + gemm_inputs + projection_output) / sp + tensor_sharded / t + routed
+
+
+def _attention_saved_bytes(model: ModelConfig, layout: Layout, s: float, b: int, rebuilds_norms: bool,
+                           fused_attention: bool) -> tuple[float, float, float]:
+    """Attention's part of a layer's saved bytes for b sequences of s tokens: (sharded only by SP,
+    GEMM inputs, sharded by TP)."""
+    tokens, h, a = s * b, model.hidden_size, model.num_attention_heads
+    q = model.num_attention_heads * model.kv_channels
+    kv = model.num_query_groups * model.kv_channels
+    replicated = gemm_inputs = tensor_sharded = 0.0
+    if model.multi_latent_attention:
+        replicated, gathered, sharded = mla_saved_elements(model, layout)
+        replicated, gemm_inputs, tensor_sharded = replicated * tokens, gathered * tokens, sharded * tokens
+        q = model.num_attention_heads * model.v_head_dim   # the attention output's width
+    else:
+        gemm_inputs = 0.0 if rebuilds_norms else 2 * tokens * h   # QKV's
+        # Q, K and V for attention's backward, as wide as the QKV output (tessera's rotated Q and K are
+        # new tensors, and V is then copied out so as not to keep all of it), and attention's output.
+        tensor_sharded = 2 * tokens * (q + 2 * kv) + 2 * tokens * q
+    if layout.recompute != "selective":
+        if fused_attention:
+            tensor_sharded += 4 * tokens * a
+        else:
+            per_score = 5 if model.attention_dropout > 0 else 2   # scores, and mask + dropout output
+            tensor_sharded += per_score * a * s * s * b
+    return replicated, gemm_inputs, tensor_sharded
 
 
 def mla_saved_elements(model: ModelConfig, layout: Layout) -> tuple[float, float, float]:
@@ -261,10 +284,13 @@ class ModelLayers(NamedTuple):
     moe: list[bool]                    # ModelConfig.moe_layers
     parameters: list[LayerParameters]  # flops.layer_parameters
     mtp: LayerParameters               # mtp_parameters
+    symbols: list[str | None]          # hybrid layer symbols (tessera.config.hybrid); None: transformer blocks
 
     @classmethod
     def of(cls, model: ModelConfig) -> "ModelLayers":
-        return cls(model.moe_layers(), layer_parameters(model), mtp_parameters(model))
+        pattern = model.hybrid_layer_pattern
+        symbols = layer_symbols(pattern) if pattern is not None else [None] * model.num_layers
+        return cls(model.moe_layers(), layer_parameters(model), mtp_parameters(model), symbols)
 
 
 def stage_parameters(model: ModelConfig, layout: Layout, vocab_size: int, pp_rank: int,
@@ -349,8 +375,9 @@ def _stage_memory(model: ModelConfig, layout: Layout, global_batch_size: int, se
         buffers += 2 * 6.0 * largest
 
     s, b, h = seq_length / layout.cp, layout.micro_batch_size, model.hidden_size
-    kinds = list(zip(moe, layout.fp8_layers(model.num_layers)))   # (MoE, FP8) of each layer
-    per_kind = {kind: layer_activation_bytes(model, layout, seq_length, moe=kind[0], fp8=kind[1])
+    # (MoE, FP8, hybrid symbol) of each layer
+    kinds = list(zip(moe, layout.fp8_layers(model.num_layers), layers_of.symbols))
+    per_kind = {kind: layer_activation_bytes(model, layout, seq_length, moe=kind[0], fp8=kind[1], symbol=kind[2])
                 for kind in set(kinds)}
     chunks = chunks_in_flight(layout, num_micro_batches, pp_rank)
     # Chunks in flight, each a 1/v share of the rank's layers (alike when MoE layers are spread evenly).
@@ -363,7 +390,8 @@ def _stage_memory(model: ModelConfig, layout: Layout, global_batch_size: int, se
     if layout.recompute == "full":
         # Backward recomputes one layer at a time: its full activations exist briefly.
         activations += max(layer_activation_bytes(model, replace(layout, recompute="none"), seq_length,
-                                                  moe=kinds[i][0], fp8=kinds[i][1]) for i in layers)
+                                                  moe=kinds[i][0], fp8=kinds[i][1], symbol=kinds[i][2])
+                           for i in layers)
     last = pp_rank == layout.pp - 1
     depths = (model.mtp_num_layers or 0) if last else 0
     if depths:

@@ -4,6 +4,8 @@ without the distributed optimizer), counted with saved-tensor hooks. Weight cast
 model counts them with the weights), and so are per-token statistics and RoPE tables (norm and
 log-sum-exp rows: under 1%)."""
 
+import weakref
+
 import torch
 
 from tests.conftest import fused_as_on_gpus
@@ -49,21 +51,27 @@ def bytes_saved_for_backward(block, x: torch.Tensor, rope, *, smaller_left_out: 
     CPU, the fused paths taken as on GPUs. Counted per storage: a saved view keeps all of it alive
     (V inside the fused QKV output). Left out: tensors shaped like a weight, its transpose or an
     expert's transpose (weight casts, counted with the weights), the RoPE tables (the model's, one
-    copy for all layers), and storages of fewer than `smaller_left_out` bytes (per-token statistics)."""
+    copy for all layers), storages of fewer than `smaller_left_out` bytes (per-token statistics),
+    and tensors freed before forward ends."""
     weight_shapes = {shape for p in block.parameters()
                      for shape in (tuple(p.shape), tuple(p.shape[::-1]), (*p.shape[:-2], *p.shape[-2:][::-1]))}
     tables = {t.untyped_storage().data_ptr() for t in rope or ()}
-    saved = {}
+    saved = []
 
     def pack(tensor):
         storage = tensor.untyped_storage()
         if tuple(tensor.shape) not in weight_shapes and storage.data_ptr() not in tables \
                 and storage.nbytes() >= smaller_left_out:
-            saved[storage.data_ptr()] = storage.nbytes()
+            saved.append(weakref.ref(tensor))
         return tensor
 
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
             fused_as_on_gpus():
-        block(x, rope)
-    return sum(saved.values())
+        output = block(x, rope)
+    # What the output's graph still holds: a branch it does not need (a scan's unused final state)
+    # has freed its saved tensors, and the allocator may have reused their addresses.
+    alive = [tensor() for tensor in saved]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in alive if t is not None}
+    del output   # the graph, kept until its tensors were counted
+    return sum(storages.values())
 
