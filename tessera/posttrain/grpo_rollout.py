@@ -163,10 +163,6 @@ class Rollouts:
         self.before_rollout()
         if self.replay is not None:
             self.replay.clear()
-        if self.engine is None:
-            self.engine = Engine(self.model, max_requests=self.rows, max_seq_length=self.seq_length,
-                                 eos_token_ids=self._stop_ids(), seed=self.seed, vocab_size=self.model.vocab_size,
-                                 record_routing=self.replay is not None)
         ids, params = [], []
         for index, prompt in prompts:
             room = min(self.max_new_tokens, self.seq_length - len(prompt.token_ids))
@@ -174,7 +170,11 @@ class Rollouts:
                 ids.append(prompt.token_ids)
                 params.append(SamplingParams(max_tokens=room, seed=sample_seed(self.seed, index, sample),
                                              **self.sampling))
-        with eval_mode(self.model):
+        with eval_mode(self.model):   # the engine puts its model in evaluation mode: the step trains in training mode
+            if self.engine is None:
+                self.engine = Engine(self.model, max_requests=self.rows, max_seq_length=self.seq_length,
+                                     eos_token_ids=self._stop_ids(), seed=self.seed, vocab_size=self.model.vocab_size,
+                                     record_routing=self.replay is not None)
             completions = self.engine.generate(ids, params)
         if self.release_engine:   # its KV blocks, states and graphs' memory go to training
             self.engine = None

@@ -65,6 +65,15 @@ def test_rollout_log_probs_are_the_trainers(prompts, model):
     assert history[0].terms["clip_ratio"] == 0 and history[0].terms["logprob_gap"] <= 1e-6
 
 
+def test_the_step_after_a_rollout_trains_in_training_mode(prompts):
+    """The engine puts the model it reads in evaluation mode; the rollout gives it back as it was, so
+    that the step's dropout and MoE load statistics run as in training."""
+    run = trainer(prompts)
+    run.model.train()
+    step_batches(run)
+    assert all(module.training for module in run.model.modules())
+
+
 def test_a_released_kv_cache_trains_the_same(prompts):
     """--rl-kv-cache-management-mode recompute frees the engine after each rollout and builds it
     again for the next: the same answers and updates as the engine kept (two rollouts)."""
