@@ -133,7 +133,8 @@ class RunConfig:
 
     def _check_grpo(self) -> None:
         """What GRPO's rollouts ask of the run: the engine reads the trainer's weights, whole layers on
-        every rank of a tensor-parallel group (tessera.posttrain.grpo_rollout)."""
+        every rank of a tensor-parallel group, the whole model on every rank of a pipeline group
+        (tessera.posttrain.grpo_rollout, grpo_gather)."""
         post, parallel, model = self.posttrain, self.parallel, self.model
         if not post.grpo:
             return
@@ -141,8 +142,9 @@ class RunConfig:
         require(rows % post.grpo_group_size == 0, f"--grpo: the {rows} rows a data-parallel rank trains each step "
                 f"(--global-batch-size / data-parallel size) must hold whole groups of --grpo-group-size "
                 f"{post.grpo_group_size}")
-        refused = [("--pipeline-model-parallel-size > 1", parallel.pipeline_model_parallel_size > 1,
-                    "the engine runs whole models"),
+        refused = [("--pipeline-model-parallel-size > 1 and --moe-enable-routing-replay",
+                    parallel.pipeline_model_parallel_size > 1 and post.moe_enable_routing_replay,
+                    "the replay finds its rows by the model's forward, which a pipeline stage does not run"),
                    ("--context-parallel-size > 1", parallel.context_parallel_size > 1,
                     "the engine runs whole sequences"),
                    ("--sequence-parallel", parallel.sequence_parallel, "the engine's steps hold a few tokens"),

@@ -96,13 +96,14 @@ class GRPOObjective:
 
     `rollout_metrics()` gives the metrics of the answers being trained on (rewards, lengths,
     the rollout's time), already reduced over the data-parallel ranks. Tensor-parallel ranks
-    hold the same rows and values: nothing is reduced over them."""
+    hold the same rows and values: nothing is reduced over them. Under pipeline parallelism only
+    the last stage calls micro_batch, and finish reduces over the stages (`pp_group`) too."""
 
-    def __init__(self, posttrain, *, dp_group=None, device: torch.device | str | None = None,
+    def __init__(self, posttrain, *, dp_group=None, pp_group=None, device: torch.device | str | None = None,
                  rollout_metrics=dict):
         self.loss_type, self.clip_eps = posttrain.grpo_loss_type, posttrain.grpo_clip_eps
         self.kl_coeff, self.max_new_tokens = posttrain.grpo_kl_coeff, posttrain.grpo_max_new_tokens
-        self.dp_group, self.rollout_metrics = dp_group, rollout_metrics
+        self.dp_group, self.pp_group, self.rollout_metrics = dp_group, pp_group, rollout_metrics
         # This rank's [loss (its shares), KL sum, clipped tokens, answer tokens, engine-measured tokens].
         self.sums = torch.zeros(5, device=device)
         self.gap = torch.zeros((), device=device)   # max |engine log-prob - trainer log-prob|
@@ -143,8 +144,8 @@ class GRPOObjective:
 
     def finish(self, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The loss of the micro-batches since `begin` and the metrics by name (TRL's where it has them)."""
-        sums = _sum(self.sums.clone(), self.dp_group)
-        gap = _sum(self.gap.clone(), self.dp_group, dist.ReduceOp.MAX)
+        sums = _sum(_sum(self.sums.clone(), self.pp_group), self.dp_group)
+        gap = _sum(_sum(self.gap.clone(), self.pp_group, dist.ReduceOp.MAX), self.dp_group, dist.ReduceOp.MAX)
         tokens = sums[3].clamp(min=1)
         if self.sums.device.type == "cuda":
             torch.cuda.synchronize(self.sums.device)

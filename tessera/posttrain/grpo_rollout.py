@@ -1,7 +1,7 @@
 """GRPO's rollouts: answers sampled by the inference engine from the model being trained, rewarded,
 and cut into the trainer's micro-batches.
 
-    rollouts = Rollouts(model, prompts, tokenizer, config, mesh, device=..., run_model=...)
+    rollouts = Rollouts(model, prompts, tokenizer, config, mesh, device=..., log_probs=...)
     batch = next(rollouts)     # what the trainer asks for, --global-batch-size rows a step
 
 Every --grpo-iterations steps, each data-parallel rank takes its share of the next
@@ -29,12 +29,18 @@ group's first rank and shared, so that a reward that is not deterministic cannot
 
 Log-probs: the engine reports each sampled token's log-prob, and the first step on a batch
 measures how far the trainer's forward pass is from it (`logprob_gap`). pi_old and the
-reference are the trainer's own forward pass (`run_model`): with --grpo-iterations > 1 the
+reference are the trainer's own forward pass (`log_probs`: on each micro-batch, or under
+pipeline parallelism the forward-only schedule over them all): with --grpo-iterations > 1 the
 model's log-probs before the first step, with --grpo-kl-coeff > 0 the reference's (the
 model with its LoRA adapters off, or a frozen copy of the initial model), both in evaluation
 mode and on the step's own micro-batches, so that the first step's ratio is exactly 1.
 A resume starts a new batch of answers (with the same prompts and seeds) at the step it
 stopped at, from the weights it saved.
+
+Pipeline parallelism: the engine runs the whole model, which every rank of a pipeline group
+gathers from the stages before each rollout (tessera.posttrain.grpo_gather); all of them sample
+the same answers, so every stage builds the same micro-batches. The rewards are computed on the
+first rank of each tensor-parallel group of the first stage and shared.
 
 MoE: with --moe-enable-routing-replay the engine records each token's experts and every
 training forward on the rows routes them there (tessera.posttrain.grpo_replay); without it
@@ -46,7 +52,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from typing import Callable
+from typing import Callable, ContextManager
 
 import numpy as np
 import torch
@@ -62,6 +68,7 @@ from tessera.posttrain.grpo import (
     ADVANTAGES, ENGINE_LOG_PROBS, OLD_LOG_PROBS, REFERENCE_LOG_PROBS, group_advantages,
 )
 from tessera.posttrain.grpo_data import Prompt, PromptSet
+from tessera.posttrain.grpo_gather import WholeModel
 from tessera.posttrain.grpo_replay import ROUTED_EXPERTS, RouterReplay, routed_experts_row
 from tessera.posttrain.rewards import Rewards
 from tessera.posttrain.sft_data import ChatTokenizer
@@ -69,10 +76,24 @@ from tessera.posttrain.sft_data import ChatTokenizer
 Batch = dict[str, torch.Tensor]
 # The trainer's forward pass of a model on a micro-batch: per-token losses [rows, seq], -log p(label).
 RunModel = Callable[[nn.Module, Batch], torch.Tensor]
+# log_probs(model, context, micro_batches, key) stores under `key` each micro-batch's per-token
+# log-probs [rows, seq] of `model`, run in evaluation mode inside `context(model)`, without gradient.
+LogProbs = Callable[[nn.Module, Callable[[nn.Module], ContextManager], list[Batch], str], None]
 
 
 def sample_seed(seed: int, prompt_index: int, sample: int) -> int:
     return int(np.random.SeedSequence([seed, prompt_index, sample]).generate_state(1, np.uint64)[0] >> 1)
+
+
+def log_probs_by_micro_batch(run_model: RunModel) -> LogProbs:
+    """LogProbs by the trainer's forward pass on each micro-batch in turn."""
+    @torch.no_grad()
+    def log_probs(model: nn.Module, context, micro_batches: list[Batch], key: str) -> None:
+        with context(model), eval_mode(model):
+            for batch in micro_batches:
+                batch[key] = -run_model(model, batch).float()
+
+    return log_probs
 
 
 def answer_row(prompt_ids: list[int], completion: Completion, seq_length: int, pad: int
@@ -90,11 +111,11 @@ class Rollouts:
     """This rank's micro-batches of GRPO's steps, sampled every --grpo-iterations steps."""
 
     def __init__(self, model: nn.Module, prompts: PromptSet, tokenizer: ChatTokenizer, config: RunConfig,
-                 mesh: Mesh, *, device: torch.device, run_model: RunModel, reference: nn.Module | None = None,
+                 mesh: Mesh, *, device: torch.device, log_probs: LogProbs, reference: nn.Module | None = None,
                  before_rollout: Callable[[], None] = lambda: None, start_iteration: int = 0):
         post, train = config.posttrain, config.train
         self.model, self.prompts, self.tokenizer, self.mesh = model, prompts, tokenizer, mesh
-        self.device, self.run_model, self.before_rollout = device, run_model, before_rollout
+        self.device, self.log_probs, self.before_rollout = device, log_probs, before_rollout
         self.group_size, self.iterations, self.seed = post.grpo_group_size, post.grpo_iterations, train.seed
         self.seq_length, self.micro_batch_size = config.model.seq_length, train.micro_batch_size
         self.rows = train.global_batch_size // mesh.dp_size            # this rank's, each step
@@ -113,6 +134,9 @@ class Rollouts:
             self.replay = RouterReplay([model] + ([reference] if reference is not None else []))
         self.engine: Engine | None = None
         self.release_engine = post.rl_kv_cache_management_mode == "recompute"
+        # What the engine reads: the model, or under pipeline parallelism the stages gathered.
+        self.engine_model = WholeModel(model, config, mesh, device, keep=not self.release_engine) \
+            if mesh.pp_size > 1 else lambda: model
         self.rollout = start_iteration // self.iterations
         self._queue: deque[Batch] = deque()
         self._skip = start_iteration % self.iterations   # a resume inside a batch's iterations: the rest of them
@@ -170,10 +194,11 @@ class Rollouts:
                 ids.append(prompt.token_ids)
                 params.append(SamplingParams(max_tokens=room, seed=sample_seed(self.seed, index, sample),
                                              **self.sampling))
-        with eval_mode(self.model):   # the engine puts its model in evaluation mode: the step trains in training mode
+        model = self.engine_model()
+        with eval_mode(model):   # the engine puts its model in evaluation mode: the step trains in training mode
             if self.engine is None:
-                self.engine = Engine(self.model, max_requests=self.rows, max_seq_length=self.seq_length,
-                                     eos_token_ids=self._stop_ids(), seed=self.seed, vocab_size=self.model.vocab_size,
+                self.engine = Engine(model, max_requests=self.rows, max_seq_length=self.seq_length,
+                                     eos_token_ids=self._stop_ids(), seed=self.seed, vocab_size=model.vocab_size,
                                      record_routing=self.replay is not None)
             completions = self.engine.generate(ids, params)
         if self.release_engine:   # its KV blocks, states and graphs' memory go to training
@@ -186,17 +211,17 @@ class Rollouts:
         return tuple(dict.fromkeys([self.tokenizer.eod] + ([int(template_eos)] if template_eos is not None else [])))
 
     def _rewards(self, prompts: list[tuple[int, Prompt]], completions: list[list[Completion]]) -> torch.Tensor:
-        """[answers, rewards] on this rank's device, the same on every tensor-parallel rank."""
+        """[answers, rewards] on this rank's device, the same on every tensor-parallel and pipeline rank."""
         values = torch.zeros(self.rows, len(self.rewards.functions))
-        if self.mesh.tp_rank == 0:
+        if self.mesh.tp_rank == 0 and self.mesh.pp_rank == 0:
             for g, ((_, prompt), group) in enumerate(zip(prompts, completions)):
                 for j, completion in enumerate(group):
                     values[g * self.group_size + j] = torch.tensor(self.rewards.score(
                         prompt.prompt, self._text(completion), prompt.answer, prompt.where))
         values = values.to(self.device)
-        tp_group = self.mesh.tp_group
-        if tp_group is not None:
-            dist.broadcast(values, src=dist.get_global_rank(tp_group, 0), group=tp_group)
+        for group in (self.mesh.group("pp"), self.mesh.tp_group):   # the first stage's, then tp rank 0's
+            if group is not None:
+                dist.broadcast(values, src=dist.get_global_rank(group, 0), group=group)
         return values
 
     def _text(self, completion: Completion) -> str:
@@ -216,18 +241,14 @@ class Rollouts:
             self.replay.add(batch)
         return batch
 
-    @torch.no_grad()
     def _log_probs(self, micro_batches: list[Batch]) -> None:
         """pi_old's (--grpo-iterations > 1) and the reference's (--grpo-kl-coeff > 0) per-token
-        log-probs, by the trainer's forward pass on each micro-batch."""
-        for batch in micro_batches:
-            if self.iterations > 1:
-                with eval_mode(self.model):
-                    batch[OLD_LOG_PROBS] = -self.run_model(self.model, batch).float()
-            if self.reference is not None:
-                model, context = self.reference
-                with context(model), eval_mode(model):
-                    batch[REFERENCE_LOG_PROBS] = -self.run_model(model, batch).float()
+        log-probs, by the trainer's forward pass."""
+        if self.iterations > 1:
+            self.log_probs(self.model, contextlib.nullcontext, micro_batches, OLD_LOG_PROBS)
+        if self.reference is not None:
+            model, context = self.reference
+            self.log_probs(model, context, micro_batches, REFERENCE_LOG_PROBS)
 
     def _rollout_metrics(self, rewards: torch.Tensor, completions: list[list[Completion]]) -> dict[str, torch.Tensor]:
         """Means over the global batch's answers (groups for the std), by TRL's names."""

@@ -145,8 +145,8 @@ class Trainer:
         if config.posttrain.grpo:
             from tessera.posttrain.grpo import GRPOObjective
 
-            return GRPOObjective(config.posttrain, dp_group=self.mesh.group("dp"), device=self.device,
-                                 rollout_metrics=lambda: self.train_data.metrics())
+            return GRPOObjective(config.posttrain, dp_group=self.mesh.group("dp"), pp_group=self.mesh.group("pp"),
+                                 device=self.device, rollout_metrics=lambda: self.train_data.metrics())
         if not config.posttrain.dpo:
             return LossTerms(config.model, self.mesh, self.device)
         from tessera.posttrain.dpo import DPOObjective, PrecomputedReference, PreferenceTerms
@@ -163,10 +163,12 @@ class Trainer:
         engine samples from this model (tessera.posttrain.grpo_rollout)."""
         if not self.config.posttrain.grpo:
             return self.data.micro_batches("train", consumed_samples=self.consumed_samples)
-        from tessera.posttrain.grpo_rollout import Rollouts
+        from tessera.posttrain.grpo_rollout import Rollouts, log_probs_by_micro_batch
 
         return Rollouts(self.model, self.data.datasets["train"], self.data.tokenizer, self.config, self.mesh,
-                        device=self.device, run_model=self._token_losses, reference=self.initial_model,
+                        device=self.device, reference=self.initial_model,
+                        log_probs=log_probs_by_micro_batch(self._token_losses) if self.pipeline is None
+                        else self._pipeline_token_log_probs,
                         before_rollout=self.optimizer.wait_for_parameters, start_iteration=self.iteration)
 
     def _keep_initial_model(self) -> None:
@@ -192,23 +194,39 @@ class Trainer:
         with autocast(self.device.type, self.amp_dtype):
             return model(batch["tokens"], labels=batch["labels"], position_ids=batch.get("position_ids"))
 
-    @torch.no_grad()
     def _pipeline_reference(self, micro_batches: list[Batch], context) -> None:
-        """DPO's reference log-probs of the micro-batches' rows through the forward-only schedule,
-        in evaluation mode inside `context(model)`, stored in each micro-batch on every stage: the
-        last stage computes them, the sum over the stages shares them."""
-        from tessera.posttrain.dpo import REFERENCE_KEY, answer_log_probs, eval_mode
+        """DPO's reference log-probs of the micro-batches' rows [rows] through the forward-only schedule."""
+        from tessera.posttrain.dpo import REFERENCE_KEY, answer_log_probs
+
+        cp_group = self.mesh.group("cp")
+        self._pipeline_values(micro_batches, REFERENCE_KEY, lambda batch: batch["tokens"].shape[:1],
+                              lambda losses, batch: answer_log_probs(losses, batch["loss_mask"], cp_group),
+                              self.model, context)
+
+    def _pipeline_token_log_probs(self, model: GPTModel, context, micro_batches: list[Batch], key: str) -> None:
+        """GRPO's per-token log-probs [rows, seq] of `model` (pi_old, the reference) through the
+        forward-only schedule (tessera.posttrain.grpo_rollout.LogProbs)."""
+        self._pipeline_values(micro_batches, key, lambda batch: batch["labels"].shape, lambda losses, batch: -losses,
+                              model, context)
+
+    @torch.no_grad()
+    def _pipeline_values(self, micro_batches: list[Batch], key: str, shape, value, model: GPTModel, context) -> None:
+        """`value(per-token losses, batch)` of each micro-batch (of `shape(batch)`) through the
+        forward-only schedule of `model` (this stage, or a frozen copy of it), in evaluation mode
+        inside `context(model)`, stored under `key` on every stage: the last stage computes them,
+        the sum over the stages shares them."""
+        from tessera.posttrain.dpo import eval_mode
 
         for batch in micro_batches:
-            batch[REFERENCE_KEY] = torch.zeros(batch["tokens"].shape[0], device=self.device)
+            batch[key] = torch.zeros(shape(batch), device=self.device)
 
         def keep(losses: torch.Tensor, batch: Batch) -> None:
-            batch[REFERENCE_KEY] = answer_log_probs(losses, batch["loss_mask"], self.mesh.group("cp")).float()
+            batch[key] = value(losses, batch).float()
 
-        with context(self.model), eval_mode(self.model):
-            self._run_pipeline(self.pipeline.eval_runner, micro_batches, None, last_stage=keep)
+        with context(model), eval_mode(model):
+            self._run_pipeline(self.pipeline.eval_runner, micro_batches, None, last_stage=keep, model=model)
         for batch in micro_batches:
-            dist.all_reduce(batch[REFERENCE_KEY], group=self.mesh.group("pp"))
+            dist.all_reduce(batch[key], group=self.mesh.group("pp"))
 
     def _reference_pass(self) -> None:
         """DPO's precomputed reference: the model's log-probs of every row of the datasets, now."""
@@ -237,34 +255,35 @@ class Trainer:
 
     # -- pipeline parallelism ------------------------------------------------------------
 
-    def _stage_forward(self, chunk: int, batch: Batch, hidden: torch.Tensor | None, last_stage) -> torch.Tensor:
-        """One model chunk on one micro-batch: its output activation, or on the last virtual
-        stage `last_stage(per-token losses, batch)` (the objective's share: LossTerms.micro_batch)."""
+    def _stage_forward(self, chunk: int, batch: Batch, hidden: torch.Tensor | None, last_stage,
+                       model: GPTModel) -> torch.Tensor:
+        """One chunk of `model` (this stage's) on one micro-batch: its output activation, or on the last
+        virtual stage `last_stage(per-token losses, batch)` (the objective's share: LossTerms.micro_batch)."""
         stage = self.pipeline.runner.stage(chunk)
         position_ids, documents = batch.get("position_ids"), batch.get("documents")
-        layers = [self.model.layers[i] for i in self.pipeline.chunks[chunk]]
+        layers = [model.layers[i] for i in self.pipeline.chunks[chunk]]
         with autocast(self.device.type, self.amp_dtype):
             if stage == 0:
-                hidden = self.model.embed(batch["tokens"], position_ids)
-            hidden = self.model.run_layers(hidden, position_ids, documents, layers=layers)
+                hidden = model.embed(batch["tokens"], position_ids)
+            hidden = model.run_layers(hidden, position_ids, documents, layers=layers)
             if stage < self.pipeline.runner.last_stage:
                 return hidden
-            if self._with_mtp:
-                losses = self.model.head_with_mtp(hidden, batch["tokens"], batch["labels"], position_ids, documents)
+            if self._with_mtp(model):
+                losses = model.head_with_mtp(hidden, batch["tokens"], batch["labels"], position_ids, documents)
             else:
-                losses = self.model.head(hidden, batch["labels"])
+                losses = model.head(hidden, batch["labels"])
         return last_stage(losses, batch)
 
     def _run_pipeline(self, runner: PipelineRunner, micro_batches: list[Batch], loss_scale: torch.Tensor | None,
-                      last_stage=None) -> None:
-        """Run a schedule over the micro-batches: the last stage gives each one's per-token losses
-        to `last_stage` (by default the objective, where they add up). `loss_scale` (loss scale /
-        global tokens) is what the last stage backpropagates."""
+                      last_stage=None, model: GPTModel | None = None) -> None:
+        """Run a schedule of `model` (by default this stage's) over the micro-batches: the last stage
+        gives each one's per-token losses to `last_stage` (by default the objective, where they add
+        up). `loss_scale` (loss scale / global tokens) is what the last stage backpropagates."""
         self.optimizer.wait_for_parameters()   # stages call embed/run_layers/head, not the gather hooks
-        last_stage = last_stage or self.losses.micro_batch
+        last_stage, model = last_stage or self.losses.micro_batch, model or self.model
 
         def forward_step(chunk: int, index: int, hidden: torch.Tensor | None) -> torch.Tensor:
-            output = self._stage_forward(chunk, micro_batches[index], hidden, last_stage)
+            output = self._stage_forward(chunk, micro_batches[index], hidden, last_stage, model)
             if runner.stage(chunk) < runner.last_stage or loss_scale is None:
                 return output
             return output * loss_scale
@@ -275,16 +294,16 @@ class Trainer:
 
     # -- one iteration -----------------------------------------------------------------
 
-    @property
-    def _with_mtp(self) -> bool:
+    @staticmethod
+    def _with_mtp(model: GPTModel) -> bool:
         """Whether the MTP depths run: in training (evaluation reports the LM loss only)."""
-        return self.model.mtp is not None and self.model.training
+        return model.mtp is not None and model.training
 
     def _forward(self, batch: Batch) -> torch.Tensor:
         """One micro-batch's part of the objective: its masked loss sum (LossTerms.micro_batch)."""
         with autocast(self.device.type, self.amp_dtype):
             losses = self.model(batch["tokens"], labels=batch["labels"], position_ids=batch.get("position_ids"),
-                                documents=batch.get("documents"), mtp=self._with_mtp)
+                                documents=batch.get("documents"), mtp=self._with_mtp(self.model))
         return self.losses.micro_batch(losses, batch)
 
     def _forward_backward(self, micro_batches: list[Batch], loss_weight: torch.Tensor) -> None:

@@ -1,12 +1,16 @@
-"""tessera train --grpo under data and tensor parallelism (2 gloo processes) equals one process:
-the engine samples the same answers from each layout's shards, and the losses, gradient norms,
-rollout metrics and weights after three steps agree (the third trains a second batch of answers).
+"""tessera train --grpo under data, tensor and pipeline parallelism (2 gloo processes) equals one
+process: the engine samples the same answers from each layout's shards (under PP from the whole
+model gathered from the stages), and the losses, gradient norms, rollout metrics and weights after
+three steps agree (the third trains a second batch of answers).
 
 The GRPO loss starts near 0 (the advantages of a group sum to 0): it is compared to 1e-6
 absolute; the weights and gradient norms as every layout is (tests/dist/equivalence.py). Layouts:
 DP=2, TP=2, the KL to a frozen copy under DP=2 with the distributed optimizer, the KL to
-LoRA's adapters-off base under TP=2, and a MoE model replaying the rollout's routing with the KL
-to a frozen copy under DP=2."""
+LoRA's adapters-off base under TP=2, a MoE model replaying the rollout's routing with the KL
+to a frozen copy under DP=2; and PP=2 (pi_old, --grpo-iterations 2, and the reference through the
+forward-only schedule): alone, with virtual stages, with the KL to a frozen copy of the stages,
+with the KL to LoRA's base and the engine freed after each rollout, a hybrid (Mamba-2) model
+cut 3 + 2 layers, and a MoE model with the KL to a frozen copy."""
 
 import json
 import random
@@ -24,6 +28,9 @@ from tests.posttrain.test_router_replay import MOE
 UNCOMPARED = ("rollout_seconds", "train_seconds", "logprob_gap")
 STEPS = ["--train-iters", "3", "--grpo-iterations", "2", "--lr", "3e-3", "--grpo-temperature", "2"]
 LORA = ["--lora-rank", "4", "--lora-alpha", "8"]
+KL = ["--grpo-kl-coeff", "0.1"]
+HYBRID = ["--model", "tiny-hybrid", "--vocab-size", "272", "--seq-length", "24"]
+FOUR_LAYERS = ["--num-layers", "4"]
 
 
 @pytest.fixture(scope="module")
@@ -53,16 +60,22 @@ def train_layouts(data: list[str], layouts: dict[str, list[str]]) -> dict[str, d
 
 
 def test_grpo_layouts_match_one_process(data):
-    tp = ["--tensor-model-parallel-size", "2"]
-    kl = ["--grpo-kl-coeff", "0.1"]
-    moe = kl + MOE + ["--moe-enable-routing-replay"]
-    layouts = {"DP=2": [], "TP=2": tp, "KL frozen copy DP=2 distributed optimizer": kl + ["--use-distributed-optimizer"],
-               "KL LoRA TP=2": kl + LORA + tp, "MoE router replay KL frozen copy DP=2": moe}
-    references = {flags: train(data + list(flags)) for flags in ((), tuple(kl), tuple(kl + LORA), tuple(moe))}
-    results = run_distributed(train_layouts, 2, data, layouts)[0]
+    tp, pp = ["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]
+    replay = KL + MOE + ["--moe-enable-routing-replay"]
+    virtual = ["--num-layers-per-virtual-pipeline-stage", "1"]
+    freed = ["--rl-kv-cache-management-mode", "recompute"]
+    # layout: (its flags, the one-process run's)
+    layouts = {"DP=2": ([], []), "TP=2": (tp, []),
+               "KL frozen copy DP=2 distributed optimizer": (KL + ["--use-distributed-optimizer"], KL),
+               "KL LoRA TP=2": (KL + LORA + tp, KL + LORA), "MoE router replay KL frozen copy DP=2": (replay, replay),
+               "PP=2": (pp, []), "PP=2 virtual stages": (FOUR_LAYERS + pp + virtual, FOUR_LAYERS),
+               "KL frozen copy PP=2": (KL + pp, KL), "KL LoRA PP=2 engine freed": (KL + LORA + pp + freed, KL + LORA),
+               "hybrid PP=2": (HYBRID + pp + ["--decoder-first-pipeline-num-layers", "3"], HYBRID),
+               "MoE KL frozen copy PP=2": (KL + MOE + pp, KL + MOE)}
+    references = {tuple(flags): train(data + flags) for _, flags in layouts.values()}
+    results = run_distributed(train_layouts, 2, data, {name: flags for name, (flags, _) in layouts.items()})[0]
     for name, result in results.items():
-        reference = references[tuple(moe) if "MoE" in name else tuple(kl + LORA) if "LoRA" in name
-                               else tuple(kl) if "KL" in name else ()]
+        reference = references[tuple(layouts[name][1])]
         assert any(terms["reward_std"] > 0 for terms in reference["terms"])   # the answers teach something
         torch.testing.assert_close(result["loss"], reference["loss"], rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"{name}: loss differs\n{m}")

@@ -151,7 +151,8 @@ def test_a_bad_reward_names_the_prompt(prompts, tmp_path, monkeypatch, body, say
 
 
 @pytest.mark.parametrize("flags, says", [
-    (["--pipeline-model-parallel-size", "2"], "--grpo does not combine with --pipeline-model-parallel-size > 1"),
+    (["--pipeline-model-parallel-size", "2", "--moe-enable-routing-replay", "--num-experts", "4"],
+     "--grpo does not combine with --pipeline-model-parallel-size > 1 and --moe-enable-routing-replay"),
     (["--sft"], "--grpo does not combine with --sft or --dpo"),
     (["--grpo-group-size", "3"], "must hold whole groups of --grpo-group-size 3"),
 ])
