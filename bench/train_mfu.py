@@ -132,7 +132,8 @@ def measure(flags: list[str], *, warmup: int, steps: int, bubble_steps: int = 0,
     tokens_per_gpu = steps * config.train.global_batch_size * config.model.seq_length / world
     packed = trainer._packed_flops_per_iteration(steps)
     flops_per_gpu = packed * steps / world if packed is not None else \
-        flops_per_token(config.model, vocab_size=trainer.model.vocab_size) * tokens_per_gpu
+        flops_per_token(config.model, vocab_size=trainer.model.vocab_size, frozen_base=config.posttrain.lora) \
+        * tokens_per_gpu
     tflops = flops_per_gpu / elapsed / 1e12
     result = {
         "row": "tessera", "rank": mesh.rank, "flags": flags, "gpus": world, "layout": _layout(trainer),

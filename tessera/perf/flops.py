@@ -256,8 +256,11 @@ def _hybrid_symbols(config: ModelConfig) -> list[str]:
 
 
 def flops_per_token(config: ModelConfig, seq_length: int | None = None, vocab_size: int | None = None,
-                    causal: bool = True) -> float:
-    """Model FLOPs (forward + backward) per trained token."""
+                    causal: bool = True, frozen_base: bool = False) -> float:
+    """Model FLOPs (forward + backward) per trained token. `frozen_base` (LoRA): the frozen
+    weights' GEMMs compute no weight gradient, 4 FLOPs per weight and token instead of 6, as
+    PEFT's users count them (the adapters' own GEMMs, under 1% of a layer's at rank 16, and the
+    Mamba-2 and Gated DeltaNet layers' projections keep Megatron's count)."""
     h, depths = config.hidden_size, config.mtp_num_layers or 0
     layers = _attention_layers(config)
     s = seq_length if seq_length is not None else config.seq_length
@@ -267,7 +270,7 @@ def flops_per_token(config: ModelConfig, seq_length: int | None = None, vocab_si
     mtp = depths * (3 * h + 2 * h * h)   # Megatron's count of the depths' norms and projections
     linear = layers * projections + gated * h * sum(_mlp_widths(config)) + mtp + h * vocab * (1 + depths)
     attention = layers * _core_attention_width(config) * s * (1 if causal else 2)
-    return 6.0 * (linear + attention) + _mixer_flops(config)
+    return (4.0 if frozen_base else 6.0) * linear + 6.0 * attention + _mixer_flops(config)
 
 
 def _mixer_flops(config: ModelConfig) -> float:
@@ -295,12 +298,12 @@ def _attention_layers(config: ModelConfig) -> int:
 
 def flops_per_iteration(config: ModelConfig, global_batch_size: int, seq_length: int | None = None,
                         vocab_size: int | None = None, causal: bool = True,
-                        squared_document_lengths: float | None = None) -> float:
+                        squared_document_lengths: float | None = None, frozen_base: bool = False) -> float:
     """Model FLOPs of one iteration over `global_batch_size` sequences (all GPUs together);
     with `squared_document_lengths` (the sum of n^2 over the iteration's documents) the
     attention term counts packed documents, each attending within itself."""
     s = seq_length if seq_length is not None else config.seq_length
-    total = global_batch_size * s * flops_per_token(config, s, vocab_size, causal)
+    total = global_batch_size * s * flops_per_token(config, s, vocab_size, causal, frozen_base)
     if squared_document_lengths is not None:
         total += _attention_flops(config, squared_document_lengths, causal) \
             - _attention_flops(config, global_batch_size * s * s, causal)

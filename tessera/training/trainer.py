@@ -129,7 +129,8 @@ class Trainer:
         self._document_squares: int | None = None   # sum of n^2 over this rank's documents since the last log
         self.metrics = MetricsWriter(
             flops_per_iteration=flops_per_iteration(config.model, train.global_batch_size,
-                                                    vocab_size=self.model.vocab_size),
+                                                    vocab_size=self.model.vocab_size,
+                                                    frozen_base=config.posttrain.lora),
             tokens_per_iteration=train.global_batch_size * config.model.seq_length,
             num_gpus=self.mesh.world_size, global_batch_size=train.global_batch_size,
             peak_tflops=resolve_peak_tflops(train.peak_tflops, self.device, train.dtype_name),
@@ -474,7 +475,8 @@ class Trainer:
         self._document_squares = 0
         cfg = self.config
         return flops_per_iteration(cfg.model, cfg.train.global_batch_size, vocab_size=self.model.vocab_size,
-                                   squared_document_lengths=squares.item() / iterations)
+                                   squared_document_lengths=squares.item() / iterations,
+                                   frozen_base=cfg.posttrain.lora)
 
     def _to_device(self, batch: Batch) -> Batch:
         return place_batch(batch, self.device, self.document_backend, self.context_parallel)

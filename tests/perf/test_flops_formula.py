@@ -45,6 +45,10 @@ def test_swiglu_gqa_by_hand():
     logits = 2 * h * vocab
     forward = 2 * (qkv + out + mlp + scores_and_values) + logits
     assert flops_per_token(config) == pytest.approx(3 * forward)
+    # A frozen base (LoRA): every weight GEMM runs forward and for the input's gradient only.
+    gemms = qkv + out + mlp
+    frozen = 2 * (2 * gemms + 2 * logits / 2) + 3 * 2 * scores_and_values
+    assert flops_per_token(config, frozen_base=True) == pytest.approx(frozen)
 
 
 def test_anchor_configs():
