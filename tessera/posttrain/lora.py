@@ -6,6 +6,7 @@ arXiv:2106.09685), under tensor, sequence, pipeline and expert parallelism.
         reference_logits = model(input_ids)
     state = adapter_state(model)                 # the trainable parameters by name (adapter-only checkpoints)
     merge_lora(model)                            # W += alpha/r B A in every adapted layer: plain layers again
+    store_base_in_bf16(model)                    # --bf16: the frozen GEMM weights held as autocast casts them
 
 An adapted layer computes base(x) + alpha/r * B(A(dropout(x))), with dropout on the adapter's
 input only, as PEFT and Megatron-Bridge (dropout_position "pre") do. B starts at zero, so the
@@ -44,10 +45,11 @@ from torch import nn
 from tessera.config import ConfigError
 from tessera.config.posttrain import PostTrainConfig
 from tessera.models.gpt import initialize_parameter
+from tessera.models.moe import GroupedExperts
 from tessera.parallel.random import DropoutRNG, dropout
 from tessera.parallel.sharding import ShardSpec, annotate, sum_replica_grads
 from tessera.parallel.tensor import (
-    ColumnParallelLinear, copy_to_tp_region, gather_from_sequence_region, reduce_from_tp_region,
+    ColumnParallelLinear, RowParallelLinear, copy_to_tp_region, gather_from_sequence_region, reduce_from_tp_region,
     reduce_scatter_to_sequence_region,
 )
 from tessera.posttrain.lora_targets import Site, select_sites, sites
@@ -227,6 +229,32 @@ def adapters_off(model: nn.Module):
     finally:
         for adapter, state in zip(switched, states):
             adapter.enabled = state
+
+
+@torch.no_grad()
+def store_base_in_bf16(model: nn.Module) -> list[str]:
+    """Store the frozen base's GEMM weights in bf16 (LoRA under --bf16); the names of those stored.
+
+    Autocast caches its bf16 copy only of a weight that trains: a frozen fp32 weight is cast again in
+    every forward pass and its copy saved for the backward, the base held twice (4 + 2 bytes a weight).
+    Stored as autocast casts it, the layers compute the same (a bf16 weight passes autocast unchanged)
+    in 2 bytes a weight. Stored: the linear layers' weights, the experts' grouped weights and an output layer of its
+    own. Kept: the adapters (they train), norms, biases, the router, and the input embedding (a lookup,
+    whose fp32 output keeps the residual stream fp32), with an output layer tied to it. Each stored
+    weight is marked `stored_bf16` (tessera.training.build.activation_dtype looks past them).
+    """
+    weights = [module.weight for module in model.modules()
+               if isinstance(module, (ColumnParallelLinear, RowParallelLinear, nn.Linear))]
+    weights += [w for module in model.modules() if isinstance(module, GroupedExperts) for w in (module.fc1, module.fc2)]
+    weights.append(getattr(model, "output_weight", None))   # None when tied to the embedding
+    chosen = {id(w) for w in weights if w is not None and not w.requires_grad and w.dtype == torch.float32}
+    stored = []
+    for name, param in model.named_parameters():
+        if id(param) in chosen:
+            param.data = param.data.to(torch.bfloat16)
+            param.stored_bf16 = True
+            stored.append(name)
+    return stored
 
 
 @torch.no_grad()

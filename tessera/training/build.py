@@ -3,10 +3,10 @@
 pipeline stage (None without pipeline parallelism). The trainer (tessera.training.trainer)
 puts these together with the data, the optimizer and the objective, and runs the loop.
 
-Order matters, and is kept here once: LoRA's adapters go on the initialised base before FP8,
-compile, FSDP2 and the optimizer see the parameters; compile wraps the blocks before FSDP2
-shards them; the pipeline's runners are made after the optimizer (which may cast the weights,
-and the activations it sends take their dtype).
+Order matters, and is kept here once: LoRA's adapters go on the initialised base (under --bf16
+the base is then stored in bf16) before FP8, compile, FSDP2 and the optimizer see the parameters;
+compile wraps the blocks before FSDP2 shards them; the pipeline's runners are made after the
+optimizer (which may cast the weights, and the activations it sends take their dtype).
 """
 
 from __future__ import annotations
@@ -92,9 +92,14 @@ def build_model(config: RunConfig, mesh: Mesh, device: torch.device, chunks: lis
                          context_parallel=context_parallel, **stage)
     initialize_parameters(model, train.seed)
     if config.posttrain.lora:
-        from tessera.posttrain.lora import apply_lora
+        from tessera.posttrain.lora import apply_lora, store_base_in_bf16
 
         apply_lora(model, config.posttrain, train.seed)
+        # Here, once the adapters have taken their fp32 from the weights and before FP8, compile and
+        # FSDP2 see them; checkpoints load into the bf16 weights, converting. Not under --grpo: its
+        # inference engine runs the trainer's model outside autocast, in one dtype.
+        if train.bf16 and not config.posttrain.grpo:
+            store_base_in_bf16(model)
     fp8_layers = _apply_fp8(model, config, mesh, device)
     if train.fine_grained_activation_offloading:
         install_activation_offload(model, train.offload_modules, device, train.min_offloaded_tensor_size,
@@ -109,6 +114,13 @@ def build_model(config: RunConfig, mesh: Mesh, device: torch.device, chunks: lis
         apply_fsdp2(model, mesh, param_dtype=torch.bfloat16 if train.bf16 else None,
                     fp8_weights=fp8.gathered_weights(model) if train.fp8_param_gather else ())
     return BuiltModel(model, context_parallel, fp8_layers, compiled)
+
+
+def activation_dtype(model: GPTModel) -> torch.dtype:
+    """The dtype of the hidden states between pipeline stages: that of the model's weights (bf16 once
+    the distributed optimizer casts a model that trains whole), as the embedding and the norms hold
+    it, not that of a LoRA base stored in bf16 (tessera.posttrain.lora.store_base_in_bf16)."""
+    return next(p.dtype for p in model.parameters() if not getattr(p, "stored_bf16", False))
 
 
 def _recomputed_layers(model: GPTModel, chunks: list[range] | None) -> set[int]:

@@ -35,7 +35,7 @@ from tessera.parallel.pipeline import PipelineRunner
 from tessera.perf.flops import count_parameters, flops_per_iteration
 from tessera.training import fp8
 from tessera.training.batches import Batch, DataSource, place_batch
-from tessera.training.build import PipelineStage, build_model, join_job, stage_chunks
+from tessera.training.build import PipelineStage, activation_dtype, build_model, join_job, stage_chunks
 from tessera.training.checkpoint import Checkpointer
 from tessera.training.cuda_graph import StepGraph
 from tessera.training.losses import LossTerms, MoEBalance
@@ -85,7 +85,7 @@ class Trainer:
                                          pipeline=groups, micro_batches=config.num_micro_batches,
                                          fp8_gathered=fp8.gathered_weights(self.model) if train.fp8_param_gather else None)
         self.pipeline = None if groups is None else PipelineStage.build(
-            config, self.mesh, chunks, groups, next(self.model.parameters()).dtype, self.device)
+            config, self.mesh, chunks, groups, activation_dtype(self.model), self.device)
         self.lr_schedule, self.loss_scaler = LRSchedule(config.optim, train), LossScaler(train)
         self.amp_dtype = autocast_dtype(train)
         self.iteration = self.consumed_samples = self.skipped_iterations = self.nan_iterations = 0
