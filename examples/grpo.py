@@ -2,6 +2,8 @@
 
     python examples/grpo.py                 # SFT, then GRPO; prints held-out accuracy before and after
     python examples/grpo.py --quick         # 20 GRPO steps: the rise already shows (the test's setting)
+    python examples/grpo.py --model qwen2.5-0.5b --device cuda --bf16 --curve grpo.json   # on one GPU
+    python examples/grpo.py --plot grpo.json grpo.png                     # the curve as a PNG (matplotlib)
 
 1. Data: prompts "sort 372=" for the 1000 strings of three digits; the answer is written
    "#### 237" (GSM8K's mark, which the exact_match reward reads). 800 prompts train, the 200
@@ -17,12 +19,22 @@ Each stage is the `tessera train` command line below, run through the same parse
 byte-level tokenizer needs no files. The seeds are fixed and torch uses one thread (faster
 for a model this small, and sums that do not depend on the cores), so the numbers repeat: held-out
 accuracy 38% after SFT, 84% after GRPO, in 45 s (40 s of CPU time) on 2 CPU cores.
+
+`--model PRESET` trains a named architecture's shape (tessera.models.presets) from random
+weights instead, over the same 264-token byte vocabulary and 24-token sequences, with the
+settings of PRESET_RUN (learning rates for a model of hundreds of millions of parameters);
+`--sft-iters`, `--grpo-iters`, `--sft-lr` and `--grpo-lr` override them. Other arguments
+are `tessera train` flags for both stages (`--num-layers 2` shrinks a preset for a check on
+a CPU). `--curve FILE.json` writes each GRPO step's metrics (the trainer's history: reward,
+its spread, KL, clip ratio, answer length, rollout and train seconds) and the held-out
+accuracy before and after; `--plot` draws it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import tempfile
@@ -38,19 +50,21 @@ from tessera.posttrain.rewards import exact_match
 from tessera.training.trainer import Trainer
 
 EOD = 256   # ByteTokenizer's end of document: where an answer stops
-MODEL = ["--num-layers", "2", "--hidden-size", "96", "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
-         "--ffn-hidden-size", "256", "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
-         "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--vocab-size", "264",
-         "--make-vocab-size-divisible-by", "8", "--seq-length", "24", "--max-position-embeddings", "24",
-         "--tokenizer-type", "ByteTokenizer", "--sft-tokenizer-prompt-format", "identity",
-         "--hidden-dropout", "0", "--attention-dropout", "0", "--num-workers", "0", "--seed", "3",
-         "--device", "cpu", "--no-compile"]
-SFT = ["--sft", "--micro-batch-size", "16", "--global-batch-size", "16", "--lr", "3e-3", "--min-lr", "3e-3",
-       "--lr-warmup-iters", "10", "--split", "1"]
+TINY = ["--num-layers", "2", "--hidden-size", "96", "--num-attention-heads", "4", "--group-query-attention",
+        "--num-query-groups", "2", "--ffn-hidden-size", "256", "--position-embedding-type", "rope",
+        "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
+TASK = ["--vocab-size", "264", "--make-vocab-size-divisible-by", "8", "--seq-length", "24", "--max-position-embeddings",
+        "24", "--tokenizer-type", "ByteTokenizer", "--sft-tokenizer-prompt-format", "identity",
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--num-workers", "0", "--seed", "3", "--no-compile"]
+SFT = ["--sft", "--lr-warmup-iters", "10", "--split", "1"]
 GRPO = ["--grpo", "--grpo-group-size", "8", "--grpo-max-new-tokens", "10", "--grpo-temperature", "1",
         "--grpo-reward", "exact_match", "format", "--grpo-format-regex", r"^#### \d+$", "--grpo-iterations", "1",
-        "--micro-batch-size", "64", "--global-batch-size", "128", "--lr", "3e-4", "--min-lr", "3e-4",
-        "--lr-warmup-iters", "0", "--clip-grad", "1.0", "--split", "1"]
+        "--global-batch-size", "128", "--lr-warmup-iters", "0", "--clip-grad", "1.0", "--split", "1"]
+# Steps, learning rates and micro-batches: the tiny model's (the numbers above), and a preset's from
+# random weights, whose steps cost milliseconds on a GPU (the rollout dominates GRPO's). Learning rates
+# stay constant (--min-lr = --lr), so that the step where SFT stops sets how much is left to GRPO.
+TINY_RUN = dict(sft_iters=90, sft_lr=3e-3, sft_batch=16, grpo_iters=200, grpo_lr=3e-4, grpo_micro_batch=64)
+PRESET_RUN = dict(sft_iters=150, sft_lr=3e-4, sft_batch=32, grpo_iters=200, grpo_lr=3e-5, grpo_micro_batch=128)
 
 
 def problems(seed: int = 0) -> tuple[list[dict], list[dict]]:
@@ -66,10 +80,10 @@ def write_jsonl(path: Path, rows: list[dict]) -> str:
     return str(path)
 
 
-def train(flags: list[str]) -> Trainer:
-    trainer = Trainer(parse_run_config(MODEL + flags, "examples/grpo.py", world_size=1)[0])
-    trainer.train()
-    return trainer
+def train(flags: list[str]) -> tuple[Trainer, list]:
+    """The trainer after `tessera train flags`, and its history (each step's resolved result)."""
+    trainer = Trainer(parse_run_config(flags, "examples/grpo.py", world_size=1)[0])
+    return trainer, trainer.train()
 
 
 @torch.no_grad()
@@ -82,13 +96,53 @@ def accuracy(model, rows: list[dict]) -> float:
     return sum(exact_match(row["prompt"], text, row["answer"]) for row, text in zip(rows, texts)) / len(rows)
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def write_curve(path: Path, history: list, before: float, after: float, **about) -> None:
+    """Each GRPO step's metrics (loss, gradient norm, the objective's terms) and the held-out accuracy
+    before and after, as JSON written whole under a temporary name, then renamed."""
+    steps = [{"step": step, "loss": r.loss, "grad_norm": r.grad_norm, **r.terms} for step, r in enumerate(history, 1)]
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text(json.dumps({**about, "held_out_accuracy": {"before": before, "after": after}, "steps": steps},
+                                  indent=1))
+    os.replace(partial, path)
+
+
+def arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The example's options (a run's settings filled in from TINY_RUN or PRESET_RUN) and the
+    `tessera train` flags left over for both stages."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--quick", action="store_true", help="20 GRPO steps (the test's setting)")
-    parser.add_argument("--sft-iters", type=int, default=90)
-    parser.add_argument("--grpo-iters", type=int, default=200)
-    args = parser.parse_args(argv)
-    sft_iters, grpo_iters = args.sft_iters, 20 if args.quick else args.grpo_iters
+    parser.add_argument("--model", metavar="PRESET", help="a preset's shape from random weights (default: the tiny model)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (fp32 master weights)")
+    for name in ("sft_iters", "grpo_iters"):
+        parser.add_argument("--" + name.replace("_", "-"), type=int)
+    for name in ("sft_lr", "grpo_lr"):
+        parser.add_argument("--" + name.replace("_", "-"), type=float)
+    parser.add_argument("--curve", type=Path, metavar="FILE.json", help="write GRPO's per-step metrics here")
+    parser.add_argument("--plot", type=Path, nargs=2, metavar=("CURVE.json", "PNG"), help="draw a curve and stop")
+    args, flags = parser.parse_known_args(argv)
+    for name, value in (PRESET_RUN if args.model else TINY_RUN).items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    if args.quick:
+        args.grpo_iters = 20
+    return args, flags
+
+
+def plot(curve_path: Path, png: Path) -> Path:
+    from tessera.perf.figures import grpo_reward_figure
+
+    curve = json.loads(curve_path.read_text())
+    return grpo_reward_figure(curve, f"GRPO on examples/grpo.py's sorting task: {curve['model']}", png)
+
+
+def main(argv: list[str]) -> int:
+    args, flags = arguments(argv)
+    if args.plot:
+        print(plot(*args.plot))
+        return 0
+    model = (["--model", args.model] if args.model else TINY) + TASK + ["--device", args.device] + \
+        (["--bf16"] if args.bf16 else []) + flags
     train_rows, held_out = problems()
     with tempfile.TemporaryDirectory() as work:
         work = Path(work)
@@ -96,18 +150,44 @@ def main(argv: list[str]) -> int:
                                                      for r in train_rows])
         grpo_data = write_jsonl(work / "prompts.jsonl", train_rows)
         start = time.perf_counter()
-        sft = train(SFT + ["--data-path", sft_data, "--train-iters", str(sft_iters), "--log-interval", "50",
-                           "--save", str(work / "sft")])
+        sft, _ = train(model + SFT + ["--data-path", sft_data, "--train-iters", str(args.sft_iters),
+                                      "--micro-batch-size", str(args.sft_batch), "--global-batch-size",
+                                      str(args.sft_batch), *learning_rate(args.sft_lr), "--log-interval", "50",
+                                      "--save", str(work / "sft")])
         before = accuracy(sft.model, held_out)
-        print(f"after SFT ({sft_iters} steps, {time.perf_counter() - start:.0f} s): held-out accuracy {before:.0%}",
-              flush=True)
+        sft_seconds = time.perf_counter() - start
+        print(f"after SFT ({args.sft_iters} steps, {sft_seconds:.0f} s): held-out accuracy {before:.0%}", flush=True)
+        del sft
         start = time.perf_counter()
-        grpo = train(GRPO + ["--data-path", grpo_data, "--train-iters", str(grpo_iters), "--log-interval", "50",
-                             "--pretrained-checkpoint", str(work / "sft")])
+        grpo, history = train(model + GRPO + ["--data-path", grpo_data, "--train-iters", str(args.grpo_iters),
+                                              "--micro-batch-size", str(args.grpo_micro_batch),
+                                              *learning_rate(args.grpo_lr), "--log-interval", "50",
+                                              "--pretrained-checkpoint", str(work / "sft")])
         after = accuracy(grpo.model, held_out)
-        print(f"after GRPO ({grpo_iters} steps, {time.perf_counter() - start:.0f} s): held-out accuracy {after:.0%} "
+        grpo_seconds = time.perf_counter() - start
+        print(f"after GRPO ({args.grpo_iters} steps, {grpo_seconds:.0f} s): held-out accuracy {after:.0%} "
               f"(from {before:.0%})", flush=True)
+    if args.curve:
+        write_curve(args.curve, history, before, after, model=describe(args, grpo.model, flags),
+                    command=" ".join(["python", "examples/grpo.py", *argv]),
+                    seconds={"sft": sft_seconds, "grpo": grpo_seconds}, settings=settings(args))
     return 0
+
+
+def learning_rate(lr: float) -> list[str]:
+    return ["--lr", str(lr), "--min-lr", str(lr)]
+
+
+def settings(args: argparse.Namespace) -> dict:
+    return {name: getattr(args, name) for name in TINY_RUN}
+
+
+def describe(args: argparse.Namespace, model: torch.nn.Module, flags: list[str]) -> str:
+    """What trained, for the curve's title: the preset (or the tiny model), its size, precision and device."""
+    name = args.model or "tiny model"
+    shrunk = " (shrunk: " + " ".join(flags) + ")" if flags else ""
+    parameters = sum(p.numel() for p in model.parameters())
+    return f"{name}{shrunk}, {parameters / 1e6:.1f}M parameters, {'bf16' if args.bf16 else 'fp32'}, {args.device}"
 
 
 if __name__ == "__main__":

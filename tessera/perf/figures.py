@@ -1,11 +1,13 @@
 """Scaling figures in the style of Megatron's README: aggregate PFLOP/s against GPUs, log-log,
-with the perfect-linear-scaling line, published points beside the predicted ones.
+with the perfect-linear-scaling line, published points beside the predicted ones; and GRPO's
+reward curve (examples/grpo.py --curve).
 
 matplotlib is imported here only (the `plot` extra), so the planner runs without it.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from tessera.perf.published import PublishedRun
@@ -56,6 +58,57 @@ def measured_scaling_figure(points: list[dict], title: str, path: str | Path, la
         text = f"{point['model']}\n{mfu}" if label_points == "model" else mfu
         axes.annotate(text, (gpus, y), textcoords="offset points", xytext=(6, -16), fontsize=7)
     return _save(figure, axes, title, "GPUs (H200)", path, ticks=[p["gpus"] for p in points])
+
+
+def grpo_reward_figure(curve: dict, title: str, path: str | Path) -> Path:
+    """The mean reward of each GRPO step's sampled answers and each reward's part of it (faint per
+    step, solid as a moving mean over a twentieth of the run), with the held-out greedy accuracy
+    before and after: examples/grpo.py's --curve JSON ("steps": the trainer's metrics by name)."""
+    from matplotlib.ticker import MaxNLocator
+
+    figure, axes = _axes()
+    steps = curve["steps"]
+    x = [s["step"] for s in steps]
+    window = max(1, len(steps) // 20)
+    names = ["reward"] + [n for n in steps[0] if n.startswith("rewards/")]
+    for index, name in enumerate(names):
+        values = [s[name] for s in steps]
+        label = "reward (sum)" if name == "reward" else name.split("/")[1]
+        axes.plot(x, values, color=f"C{index}", alpha=0.25, linewidth=0.8)
+        axes.plot(x, _moving_mean(values, window), color=f"C{index}", linewidth=2 if name == "reward" else 1.2,
+                  label=f"{label}: mean over the sampled answers" + (f" ({window}-step moving mean)" if window > 1 else ""))
+    accuracy = curve["held_out_accuracy"]
+    axes.plot([0, x[-1]], [accuracy["before"], accuracy["after"]], "o", color="black", markersize=7,
+              label="held-out accuracy (greedy answers)")
+    for step, value, when in ((0, accuracy["before"], "after SFT"), (x[-1], accuracy["after"], "after GRPO")):
+        axes.annotate(f"{value:.0%} {when}", (step, value), textcoords="offset points", xytext=(6, -14), fontsize=8,
+                      ha="right" if step else "left")
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.set_ylim(bottom=0)
+    axes.set_xlabel("GRPO step")
+    axes.set_ylabel("reward / fraction of answers right")
+    axes.set_title(title, fontsize=10)
+    axes.grid(True, alpha=0.3)
+    axes.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=1)
+    return _save_whole(figure, path)
+
+
+def _moving_mean(values: list[float], window: int) -> list[float]:
+    """The mean of each value and the window - 1 before it (fewer at the start)."""
+    return [sum(values[max(0, i + 1 - window):i + 1]) / (i + 1 - max(0, i + 1 - window)) for i in range(len(values))]
+
+
+def _save_whole(figure, path: str | Path) -> Path:
+    """Written under a temporary name, then renamed: a reader never sees half a PNG."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".tmp.png")
+    figure.savefig(partial, bbox_inches="tight")
+    plt.close(figure)
+    os.replace(partial, path)
+    return path
 
 
 def _axes():
