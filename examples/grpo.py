@@ -63,8 +63,12 @@ GRPO = ["--grpo", "--grpo-group-size", "8", "--grpo-max-new-tokens", "10", "--gr
 # Steps, learning rates and micro-batches: the tiny model's (the numbers above), and a preset's from
 # random weights, whose steps cost milliseconds on a GPU (the rollout dominates GRPO's). Learning rates
 # stay constant (--min-lr = --lr), so that the step where SFT stops sets how much is left to GRPO.
+# A preset's were chosen on the CPU with qwen2.5-0.5b's width at 2 and 4 layers: after 20 SFT steps at
+# 1e-4 the 2-layer model answers 60% of the held-out prompts (the 4-layer one 36% after 15, 62% after 30;
+# at 3e-4, 1% after 15); then GRPO at 1e-5 raised its sampled answers' exact_match from 0.28 to 0.66 in
+# 15 steps, where 3e-5 first lowered it.
 TINY_RUN = dict(sft_iters=90, sft_lr=3e-3, sft_batch=16, grpo_iters=200, grpo_lr=3e-4, grpo_micro_batch=64)
-PRESET_RUN = dict(sft_iters=150, sft_lr=3e-4, sft_batch=32, grpo_iters=200, grpo_lr=3e-5, grpo_micro_batch=128)
+PRESET_RUN = dict(sft_iters=20, sft_lr=1e-4, sft_batch=32, grpo_iters=200, grpo_lr=1e-5, grpo_micro_batch=128)
 
 
 def problems(seed: int = 0) -> tuple[list[dict], list[dict]]:
@@ -111,7 +115,8 @@ def arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     `tessera train` flags left over for both stages."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--quick", action="store_true", help="20 GRPO steps (the test's setting)")
-    parser.add_argument("--model", metavar="PRESET", help="a preset's shape from random weights (default: the tiny model)")
+    parser.add_argument("--model", metavar="PRESET",
+                        help="a preset's shape from random weights (default: the tiny model)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (fp32 master weights)")
     for name in ("sft_iters", "grpo_iters"):

@@ -73,19 +73,19 @@ def grpo_reward_figure(curve: dict, title: str, path: str | Path) -> Path:
     names = ["reward"] + [n for n in steps[0] if n.startswith("rewards/")]
     for index, name in enumerate(names):
         values = [s[name] for s in steps]
-        label = "reward (sum)" if name == "reward" else name.split("/")[1]
+        label = "reward (the sum): mean over each step's sampled answers" if name == "reward" else name.split("/")[1]
         axes.plot(x, values, color=f"C{index}", alpha=0.25, linewidth=0.8)
         axes.plot(x, _moving_mean(values, window), color=f"C{index}", linewidth=2 if name == "reward" else 1.2,
-                  label=f"{label}: mean over the sampled answers" + (f" ({window}-step moving mean)" if window > 1 else ""))
+                  label=label)
     accuracy = curve["held_out_accuracy"]
     axes.plot([0, x[-1]], [accuracy["before"], accuracy["after"]], "o", color="black", markersize=7,
               label="held-out accuracy (greedy answers)")
     for step, value, when in ((0, accuracy["before"], "after SFT"), (x[-1], accuracy["after"], "after GRPO")):
-        axes.annotate(f"{value:.0%} {when}", (step, value), textcoords="offset points", xytext=(6, -14), fontsize=8,
+        axes.annotate(f"{value:.0%} {when}", (step, value), textcoords="offset points", xytext=(6, 8), fontsize=8,
                       ha="right" if step else "left")
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes.set_ylim(bottom=0)
-    axes.set_xlabel("GRPO step")
+    axes.set_xlabel("GRPO step" + (f" (faint: each step; solid: {window}-step moving mean)" if window > 1 else ""))
     axes.set_ylabel("reward / fraction of answers right")
     axes.set_title(title, fontsize=10)
     axes.grid(True, alpha=0.3)
