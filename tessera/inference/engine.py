@@ -37,6 +37,7 @@ from tessera.inference.routing import RoutingRecorder
 from tessera.inference.runner import ModelRunner
 from tessera.inference.sampling import Sampler, SamplingParams
 from tessera.inference.scheduler import Request, ScheduledRow, Scheduler
+from tessera.inference.state_snapshots import StateSnapshots
 from tessera.models.gpt import GPTModel
 
 
@@ -71,14 +72,17 @@ class Engine:
 
     `num_blocks` defaults to room for `max_requests` requests of `max_seq_length` tokens (on
     CUDA at most `kv_memory_fraction` of the free memory, less the recurrent layers' state of
-    `max_requests` requests when the model has such layers); with fewer, requests are preempted
-    and recomputed when the blocks run out. `prefix_caching` (off by default, as Megatron's
-    --inference-dynamic-batching-prefix-caching) reuses the KV blocks of prompts that start
-    alike; on CUDA the rest of such a prompt runs eagerly (docs/inference.md), so it pays for
-    long shared prefixes only. `vocab_size` (default the model config's) excludes the output
-    layer's padding rows from sampling. On CUDA, decode steps replay CUDA graphs (`cuda_graphs`) of the
-    decode step compiled with torch.compile (`compile`; the first step of each new batch
-    shape captures its graph, and the first one compiles, tens of seconds for a 1B model).
+    `max_requests` requests and of the snapshots below when the model has such layers); with
+    fewer, requests are preempted and recomputed when the blocks run out. `prefix_caching` (off by
+    default, as Megatron's --inference-dynamic-batching-prefix-caching) reuses the KV blocks of
+    prompts that start alike; on CUDA the rest of such a prompt runs eagerly (docs/inference.md),
+    so it pays for long shared prefixes only. With recurrent layers it also keeps `state_snapshots`
+    (default `max_requests`) of their states at block ends, and reuses blocks up to the last one
+    whose end has one (tessera.inference.state_snapshots). `vocab_size` (default the model
+    config's) excludes the output layer's padding rows from sampling. On CUDA, decode steps
+    replay CUDA graphs (`cuda_graphs`) of the decode step compiled with torch.compile (`compile`;
+    the first step of each new batch shape captures its graph, and the first one compiles, tens
+    of seconds for a 1B model).
     Steps of new prompts replay CUDA graphs of their own (bf16 and fp16), beside the decode
     graphs when decode rows share the step (tessera.inference.runner).
     When every running request decodes greedily (no penalties, no log-probs) and none waits,
@@ -95,7 +99,8 @@ class Engine:
                  block_size: int = 16, num_blocks: int | None = None, max_batched_tokens: int = 2048,
                  eos_token_ids: Sequence[int] = (), seed: int = 0, prefix_caching: bool = False,
                  cuda_graphs: bool = True, compile: bool = True, kv_memory_fraction: float = 0.8,
-                 vocab_size: int | None = None, decode_steps: int = 16, record_routing: bool = False):
+                 vocab_size: int | None = None, decode_steps: int = 16, record_routing: bool = False,
+                 state_snapshots: int | None = None):
         config = model.config
         limit = config.max_position_embeddings or config.seq_length
         self.max_seq_length = max_seq_length or limit
@@ -111,23 +116,25 @@ class Engine:
         self.eos_token_ids = tuple(eos_token_ids)
         parameter = next(model.parameters())
         shapes, state_shapes = PagedKVCache.model_shapes(model), StatePool.model_shapes(model)
+        if state_snapshots is not None and state_snapshots < 0:
+            raise ValueError(f"state_snapshots must be >= 0, got {state_snapshots}")
+        snapshots = None   # which pool slots hold states saved at block ends, with prefix caching
         if state_shapes and prefix_caching:
-            raise ValueError("prefix caching (--inference-dynamic-batching-prefix-caching) is not supported for "
-                             "models with recurrent layers (Mamba-2, Gated DeltaNet): a cached block holds keys and "
-                             "values, not their state")
+            snapshots = StateSnapshots(max_requests + 1, max_requests if state_snapshots is None else state_snapshots)
+        # the null slot 0, one per running request, the snapshots
+        state_slots = max_requests + 1 + (snapshots.count if snapshots is not None else 0)
         blocks_per_request = math.ceil(self.max_seq_length / block_size)
         if num_blocks is None:
             num_blocks = max_requests * blocks_per_request + 1
             if parameter.device.type == "cuda":
                 num_blocks = _blocks_that_fit(num_blocks, shapes, block_size, parameter,
-                                              StatePool.bytes_per_slot(state_shapes) * (max_requests + 1),
+                                              StatePool.bytes_per_slot(state_shapes) * state_slots,
                                               kv_memory_fraction)
         self.cache = PagedKVCache(shapes, num_blocks, block_size, dtype=parameter.dtype, device=parameter.device,
                                   prefix_caching=prefix_caching)
-        # one slot per running request, and the null slot 0
-        self.states = StatePool(state_shapes, max_requests + 1, parameter.device) if state_shapes else None
+        self.states = StatePool(state_shapes, state_slots, parameter.device) if state_shapes else None
         self.scheduler = Scheduler(self.cache.allocator, max_requests=max_requests,
-                                   max_batched_tokens=max_batched_tokens)
+                                   max_batched_tokens=max_batched_tokens, snapshots=snapshots)
         if record_routing:
             decode_steps = 1   # a greedy run's steps chain on the device, routing unread
         self.runner = ModelRunner(model, self.cache, self.vocab_size, max_rows=max_requests,
@@ -349,7 +356,7 @@ class Engine:
 def _blocks_that_fit(wanted: int, shapes, block_size: int, parameter: torch.Tensor, state_bytes: int,
                      memory_fraction: float) -> int:
     """At most `wanted` KV blocks (at least 2), within `memory_fraction` of the free CUDA memory once
-    the recurrent layers' state (`state_bytes`, every slot) is counted."""
+    the recurrent layers' state (`state_bytes`, every slot and snapshot) is counted."""
     free, _ = torch.cuda.mem_get_info(parameter.device)
     budget = int(free * memory_fraction) - state_bytes
     if budget < 0:

@@ -20,14 +20,16 @@ Prefix caching (`BlockAllocator(prefix_caching=True)`): a block full of tokens i
 by a hash chain (its tokens and the name of the block before it), so a request whose
 prompt starts with the same full blocks as an earlier one reuses them, with a reference
 count per block. Freed blocks keep their contents and their name until the allocator
-hands them out again, least recently freed first (vLLM's policy; Megatron's `lru`).
+hands them out again, least recently freed first (vLLM's policy; Megatron's `lru`), and
+tell `on_evict` the name they lose (recurrent layers' snapshots go with it:
+tessera.inference.state_snapshots).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -47,6 +49,7 @@ class BlockAllocator:
         self._users = [0] * num_blocks
         self._name_of: dict[int, int] = {}      # block -> name of the full block it holds
         self._block_named: dict[int, int] = {}  # name -> block
+        self.on_evict: Callable[[int], None] | None = None   # called with each name a reused block loses
 
     @property
     def num_free(self) -> int:
@@ -62,6 +65,8 @@ class BlockAllocator:
             name = self._name_of.pop(block, None)
             if name is not None:
                 del self._block_named[name]
+                if self.on_evict is not None:
+                    self.on_evict(name)
             self._users[block] = 1
             blocks.append(block)
         return blocks

@@ -7,9 +7,9 @@ for Mamba-2 the last three inputs of its convolution and the SSM state [heads, P
 context, transformers' Mamba2 in its cache); for Gated DeltaNet the last conv-kernel - 1 inputs
 of its convolution and the delta rule's state [heads, key dim, value dim] (arXiv 2412.06464;
 transformers' Qwen3-Next cache keeps the same two). The engine owns one `StatePool` beside the KV
-cache: every recurrent layer's states for `max_requests + 1` slots, in fp32. A running request
-holds one slot (tessera.inference.scheduler hands it out at admission and takes it back when
-the request finishes or is preempted). Slot 0 is never handed out: the padded rows of a
+cache: every recurrent layer's states for `max_requests + 1` slots (and prefix caching's
+snapshots after them), in fp32. A running request holds one slot (tessera.inference.scheduler
+hands it out at admission and takes it back when the request finishes or is preempted). Slot 0 is never handed out: the padded rows of a
 CUDA-graph batch write there, as they write into KV block 0.
 
 A step's rows, in the runner's order (decode rows, then multi-token rows):
@@ -21,8 +21,10 @@ A step's rows, in the runner's order (decode rows, then multi-token rows):
   zeros when the row starts the request, else from its slot (the chunk before it left it there).
 
 Preemption recomputes a request from its first token, so its state is rebuilt as its KV
-blocks are. Prefix caching is refused for models with recurrent layers: a cached block
-holds keys and values, not the recurrent state after it.
+blocks are. With prefix caching the pool has more slots, snapshots of states at block ends
+(tessera.inference.state_snapshots): a prompt row saves its state into them at the ends it is
+given (`PromptRow.saves`, the prefill cut there), and a request that resumes after a cached
+prefix has the snapshot copied into its slot first (`StatePool.copy`).
 
 A mixer plugs in by implementing `RecurrentMixer` (tessera.models.mamba.MambaMixer and
 tessera.models.gated_deltanet.GatedDeltaNet do) and sitting in a HybridLayer as its `mixer`: the
@@ -76,6 +78,12 @@ class StatePool:
         self.states = {index: {name: torch.zeros(num_slots, *shape, device=device) for name, shape in layer.items()}
                        for index, layer in shapes.items()}
 
+    def copy(self, source: int, target: int) -> None:
+        """Slot `target` takes every layer's state in slot `source`."""
+        for layer in self.states.values():
+            for pool in layer.values():
+                pool[target] = pool[source]
+
     @staticmethod
     def model_shapes(model: nn.Module) -> StateShapes:
         return {index: mixer.state_shapes() for index, mixer in recurrent_mixers(model).items()}
@@ -88,11 +96,13 @@ class StatePool:
 @dataclass(frozen=True)
 class PromptRow:
     """A multi-token row: `length` tokens of the request in `slot`, from zeros when `first` (they
-    start the request), else after the state in its slot."""
+    start the request), else after the state in its slot; `saves`: (tokens into the row, slot) where
+    the state after that many of its tokens is saved too."""
 
     slot: int
     length: int
     first: bool
+    saves: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -132,9 +142,13 @@ class LayerStates:
         for row in step.prompts:
             state = {name: (pool.new_zeros(1, *pool.shape[1:]) if row.first else pool[row.slot:row.slot + 1])
                      for name, pool in self.states.items()}
-            out, state = mixer.prefill(hidden[:, start:start + row.length], state)
-            for name, pool in self.states.items():
-                pool[row.slot] = state[name][0]
-            outputs.append(out)
+            done = 0
+            for end, slot in (*row.saves, (row.length, row.slot)):   # the prefill in pieces, cut where saved
+                if end > done:
+                    out, state = mixer.prefill(hidden[:, start + done:start + end], state)
+                    outputs.append(out)
+                    done = end
+                for name, pool in self.states.items():
+                    pool[slot] = state[name][0]
             start += row.length
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)

@@ -121,6 +121,7 @@ class ModelRunner:
     @torch.no_grad()
     def run(self, rows: Sequence[ScheduledRow]) -> torch.Tensor:
         """Logits [rows that sample, vocab_size] (fp32), in the order of `rows`."""
+        self._restore_states(rows)
         if all(row.count == 1 for row in rows):
             logits = self._decode(rows)
         else:
@@ -130,6 +131,7 @@ class ModelRunner:
     @torch.no_grad()
     def start_greedy(self, rows: Sequence[ScheduledRow], steps: int) -> GreedyRun:
         """Queue each decode row's next `steps` greedy tokens (their blocks reserved)."""
+        self._restore_states(rows)
         ids, positions, tables, slots = self._decode_inputs(rows)
         if self.graphs is not None:
             return self.graphs.start_greedy(ids, positions, tables, steps, slots)
@@ -160,6 +162,12 @@ class ModelRunner:
         run = GreedyRun(len(tables), steps, torch.stack(tokens))
         self._eager_next = run, ids, positions
         return run
+
+    def _restore_states(self, rows: Sequence[ScheduledRow]) -> None:
+        """Requests that resume after a cached prefix start from the recurrent state saved at its end."""
+        for row in rows:
+            if row.restore is not None:
+                self.states.copy(row.restore, row.request.state_slot)
 
     @staticmethod
     def _decode_inputs(rows: Sequence[ScheduledRow]) -> tuple[list[int], list[int], list[list[int]], list[int]]:
@@ -205,8 +213,8 @@ class ModelRunner:
                                        torch.tensor(r.request.blocks, device=self.device)) for r in continued]
         states = None
         if self.states is not None:
-            states = StepStates(self.states, prompts=[PromptRow(r.request.state_slot, r.count, r.start == 0)
-                                                      for r in fresh + continued])
+            states = StepStates(self.states, prompts=[
+                PromptRow(r.request.state_slot, r.count, r.start == 0, r.saves) for r in fresh + continued])
             if decode:
                 states.decode_slots = torch.tensor([r.request.state_slot for r in decode], device=self.device)
                 states.decode_positions = step.decode_positions

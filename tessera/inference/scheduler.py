@@ -16,7 +16,11 @@ decode step are one thing of different sizes, and so is the recompute after pree
 
 Each running request also holds one of `max_requests` state slots, where recurrent layers
 (Mamba-2) keep its state (tessera.inference.recurrent_state); admission gives one, finishing
-and preemption take it back.
+and preemption take it back. With prefix caching such a model's requests reuse cached blocks
+only up to the last one whose end has a saved state (tessera.inference.state_snapshots): the
+first row after admission has that state copied into the request's slot (`restore`), and a
+multi-token row saves the state at the block ends the request chose (`saves`); a row of one
+token saves none.
 
 Preemption by recompute (vLLM, Megatron's eviction): when a running request needs a
 block and none is free, the most recently admitted running request gives back all its
@@ -35,6 +39,7 @@ import torch
 
 from tessera.inference.kv_cache import BlockAllocator
 from tessera.inference.sampling import SamplingParams
+from tessera.inference.state_snapshots import StateSnapshots
 
 
 @dataclass(eq=False)
@@ -50,6 +55,8 @@ class Request:
     computed: int = 0            # tokens whose keys and values are in the cache
     block_names: list[int] = field(default_factory=list)   # prefix-cache names of its leading full blocks
     state_slot: int | None = None   # while running: its slot in the recurrent layers' state pool
+    resume_slot: int | None = None  # admitted after a cached prefix: the snapshot its state starts from
+    save_points: list[int] = field(default_factory=list)   # positions (block ends) whose state it saves
     preemptions: int = 0
     finish_reason: str | None = None
     routed_experts: torch.Tensor | None = None   # with routing recorded: tessera.inference.routing
@@ -68,11 +75,15 @@ class Request:
 
 @dataclass(frozen=True)
 class ScheduledRow:
-    """`count` tokens of `request` from position `start`; `samples`: this reaches its last token."""
+    """`count` tokens of `request` from position `start`; `samples`: this reaches its last token.
+    Recurrent layers: `restore`, the snapshot slot whose state the request's slot takes first;
+    `saves`, (tokens into the row, snapshot slot) where the state after them is saved."""
 
     request: Request
     start: int
     count: int
+    restore: int | None = None
+    saves: tuple[tuple[int, int], ...] = ()
 
     @property
     def samples(self) -> bool:
@@ -80,8 +91,12 @@ class ScheduledRow:
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, *, max_requests: int, max_batched_tokens: int):
+    def __init__(self, allocator: BlockAllocator, *, max_requests: int, max_batched_tokens: int,
+                 snapshots: StateSnapshots | None = None):
         self.allocator = allocator
+        self.snapshots = snapshots   # with prefix caching and recurrent layers
+        if snapshots is not None:
+            allocator.on_evict = snapshots.forget
         self.block_size = allocator.block_size
         self.max_requests, self.max_batched_tokens = max_requests, max_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -110,7 +125,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                rows.append(ScheduledRow(request, request.computed, count))
+                rows.append(self._row(request, count))
                 budget -= count
         prompt_in_step = any(row.count > 1 for row in rows)
         while self.waiting and budget and not preempted and len(self.running) < self.max_requests:
@@ -126,9 +141,22 @@ class Scheduler:
             self.running.append(request)
             request.state_slot = self._free_slots.pop()
             self.cached_tokens += request.computed
-            rows.append(ScheduledRow(request, request.computed, count))
+            rows.append(self._row(request, count))
             budget -= count
         return rows
+
+    def _row(self, request: Request, count: int) -> ScheduledRow:
+        """The request's next `count` tokens, with the state it restores first and the snapshots it saves."""
+        start, end = request.computed, request.computed + count
+        saves = []
+        if request.save_points and count > 1:
+            for point in request.save_points:
+                slot = self.snapshots.reserve() if point <= end else None
+                if slot is not None:
+                    saves.append((point - start, slot))
+        request.save_points = [point for point in request.save_points if point > end]
+        restore, request.resume_slot = request.resume_slot, None
+        return ScheduledRow(request, start, count, restore, tuple(saves))
 
     def computed(self, rows: list[ScheduledRow]) -> None:
         """After a step: its tokens are in the cache; name the blocks that became full."""
@@ -142,6 +170,8 @@ class Scheduler:
                 for block, name in zip(request.blocks[named:], names):
                     self.allocator.remember(block, name)
                 request.block_names += names
+            for offset, slot in row.saves:
+                self.snapshots.publish(request.block_names[(row.start + offset) // self.block_size - 1], slot)
 
     def finish(self, request: Request) -> None:
         """Drop a request (finished or aborted) wherever it is, and free its blocks."""
@@ -170,7 +200,19 @@ class Scheduler:
         if self.allocator.prefix_caching and limit:
             request.blocks, request.block_names = self.allocator.cached_prefix(
                 request.tokens(0, limit * self.block_size), limit)
+            if self.snapshots is not None:
+                self._resume_at_a_snapshot(request)
             request.computed = len(request.blocks) * self.block_size
+
+    def _resume_at_a_snapshot(self, request: Request) -> None:
+        """Keep the cached blocks up to the last one whose end has a recurrent state saved, and choose the
+        block ends the request saves: where its cached blocks ended, and its prompt's last reusable one."""
+        kept, request.resume_slot = self.snapshots.longest(request.block_names)
+        found = len(request.blocks)
+        self.allocator.free(request.blocks[kept:])
+        del request.blocks[kept:], request.block_names[kept:]
+        last_reusable = (len(request.prompt_token_ids) - 1) // self.block_size
+        request.save_points = [block * self.block_size for block in sorted({found, last_reusable}) if block > kept]
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -183,6 +225,7 @@ class Scheduler:
         self.allocator.free(request.blocks)
         request.blocks, request.block_names = [], []
         request.computed = 0
+        request.resume_slot, request.save_points = None, []
         if request.state_slot is not None:
             self._free_slots.append(request.state_slot)
             request.state_slot = None
