@@ -57,6 +57,10 @@ class InferenceConfig:
     inference_dynamic_batching_prefix_caching: bool = option(
         False, "reuse the KV blocks of prompts that start alike (on a GPU the rest of such a prompt runs eagerly: "
         "worth it for long shared prefixes only)")
+    inference_dynamic_batching_prefix_caching_mamba_gb: float | None = option(
+        None, "with prefix caching on a model with Mamba-2 or Gated DeltaNet layers: GiB of the states saved at "
+        "block ends for later prompts to resume from (default: one state per --inference-max-requests)",
+        metavar="GB")
     seed: int = option(1234, "seed of requests that bring none")
     tensor_model_parallel_size: int = option(
         1, "split each layer over N ranks: launch with torchrun --nproc-per-node N", group=PARALLEL, metavar="N")
@@ -68,6 +72,7 @@ class InferenceConfig:
         require(self.load is None or self.hf is None, "--load and --hf are exclusive: give one")
         at_least(self, 1, "inference_max_requests", "inference_max_seq_length", "inference_decode_steps",
                  "tensor_model_parallel_size")
+        at_least(self, 0, "inference_dynamic_batching_prefix_caching_mamba_gb")
 
     @property
     def source_flag(self) -> str:

@@ -12,6 +12,7 @@ from tessera.config.inference import InferenceConfig
 from tessera.inference.engine import Engine
 from tessera.inference.loading import load_model
 from tessera.inference.lockstep import TensorParallel, init_tensor_parallel
+from tessera.inference.recurrent_state import StatePool
 from tessera.inference.text import TextTokenizer, load_tokenizer, read_chat_template
 
 
@@ -51,9 +52,17 @@ def build_engine(config: InferenceConfig) -> BuiltEngine:
             return Engine(model, max_requests=config.inference_max_requests, num_blocks=num_blocks,
                           max_seq_length=config.inference_max_seq_length, eos_token_ids=eos, seed=config.seed,
                           decode_steps=config.inference_decode_steps,
-                          prefix_caching=config.inference_dynamic_batching_prefix_caching)
+                          prefix_caching=config.inference_dynamic_batching_prefix_caching,
+                          state_snapshots=_state_snapshots(model, config.inference_dynamic_batching_prefix_caching_mamba_gb))
 
         engine = parallel.agree_on_cache(make_engine) if parallel else make_engine()
     except (FileNotFoundError, ValueError) as exc:   # ConfigError is a ValueError
         raise ConfigError(str(exc)) from None
     return BuiltEngine(engine, tokenizer, Path(config.source).resolve().name, parallel)
+
+
+def _state_snapshots(model, gib: float | None) -> int | None:
+    """How many recurrent states --inference-dynamic-batching-prefix-caching-mamba-gb holds (None: the
+    engine's default)."""
+    per_state = StatePool.bytes_per_slot(StatePool.model_shapes(model))
+    return int(gib * 2**30 // per_state) if gib is not None and per_state else None

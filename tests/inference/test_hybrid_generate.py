@@ -179,3 +179,23 @@ def test_mixers_without_a_state_are_refused_in_one_line():
     with pytest.raises(ValueError, match="layer 3: generation with Identity layers is not supported") as error:
         Engine(model)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("flags, snapshots", [([], 4), (["--inference-dynamic-batching-prefix-caching-mamba-gb",
+                                                          "0.0001"], None)])
+def test_the_states_prefix_caching_keeps_follow_the_flag(mamba2_dir, flags, snapshots):
+    """Megatron's --inference-dynamic-batching-prefix-caching-mamba-gb: as many saved states as fit in
+    that many GiB (one state is every Mamba-2 layer's conv inputs and SSM state, in fp32); without it
+    one per --inference-max-requests."""
+    from tessera.cli.args import parse_sections
+    from tessera.config.inference import InferenceConfig
+    from tessera.inference.builder import build_engine
+
+    config = parse_sections(["--hf", str(mamba2_dir), "--inference-dynamic-batching-prefix-caching",
+                             "--inference-max-requests", "4", *flags], "tessera generate", "",
+                            {"inference": InferenceConfig})["inference"]
+    engine = build_engine(config).engine
+    conv, ssm = 3 * (8 * 8 + 2 * 2 * 4), 8 * 8 * 4   # per layer: kernel-1 conv inputs of x, B, C; heads x P x N
+    per_state = 2 * (conv + ssm) * 4
+    expected = snapshots if snapshots is not None else int(0.0001 * 2**30 // per_state)
+    assert engine.scheduler.snapshots.count == expected > 0
