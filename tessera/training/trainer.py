@@ -32,7 +32,7 @@ from tessera.models.documents import default_backend
 from tessera.models.gpt import GPTModel
 from tessera.parallel.mesh import Mesh
 from tessera.parallel.pipeline import PipelineRunner
-from tessera.perf.flops import count_parameters, flops_per_iteration
+from tessera.perf.flops import flops_per_iteration
 from tessera.training import fp8
 from tessera.training.batches import Batch, DataSource, place_batch
 from tessera.training.build import PipelineStage, activation_dtype, build_model, join_job, stage_chunks
@@ -43,6 +43,7 @@ from tessera.training.nan_check import NonFiniteCheck
 from tessera.training.metrics import IterationStats, MetricsWriter, peak_memory_gb, resolve_peak_tflops
 from tessera.training.optimizer import build_optimizer
 from tessera.training.precision import LossScaler, autocast, autocast_dtype
+from tessera.training.run_summary import run_summary
 from tessera.training.schedules import LRSchedule
 from tessera.training.startup import Startup
 from tessera.training.stragglers import StragglerTimer
@@ -372,7 +373,8 @@ class Trainer:
     def train(self) -> list[StepResult]:
         """Run to --train-iters (or --exit-interval); returns every iteration's resolved result."""
         train = self.config.train
-        self._log_start()
+        for line in run_summary(self.config, self.mesh, self.device, self.model.vocab_size, self.optimizer):
+            self.metrics.info(line)
         history: list[StepResult] = []
         pending: list[StepResult] = []
         interval_start = time.perf_counter()
@@ -438,30 +440,6 @@ class Trainer:
         dist.all_gather(stages, measured, group=self.mesh.group("pp"))
         self.metrics.info(f" pipeline bubble per stage: {' '.join(f'{s.item():.1%}' for s in stages)} "
                           f"(theory {self.pipeline.schedule.theoretical_bubble():.1%}, {self.pipeline.schedule.name})")
-
-    def _optimizer_state(self) -> str:
-        total, host = self.optimizer.state_bytes() / 2**30, self.optimizer.host_state_bytes() / 2**30
-        where = f" ({host:.3f} GiB of it in host memory)" if host else ""
-        return f"{total:.3f} GiB/rank{where}"
-
-    def _log_start(self) -> None:
-        cfg, mesh = self.config, self.mesh
-        params = count_parameters(cfg.model, self.model.vocab_size)
-        active = f", {params.active / 1e6:.1f}M active per token" if params.inactive else ""
-        experts = f" EP {mesh.ep_size} ETP {mesh.etp_size}" if cfg.model.num_experts else ""
-        self.metrics.info(
-            f"tessera: {params.total / 1e6:.1f}M parameters ({params.non_embedding / 1e6:.1f}M non-embedding{active}) | "
-            f"{mesh.world_size} x {self.device.type} | TP {mesh.tp_size} CP {mesh.cp_size} DP {mesh.dp_size} "
-            f"PP {mesh.pp_size}{experts} | {cfg.train.dtype_name} | global batch {cfg.train.global_batch_size} = "
-            f"{cfg.num_micro_batches} micro-batches x {cfg.train.micro_batch_size} x DP {mesh.dp_size} "
-            f"| seq {cfg.model.seq_length} | optimizer state {self._optimizer_state()}"
-        )
-        for note in cfg.notes:
-            self.metrics.info(note)
-        backend = cfg.train.attention_backend
-        if backend != "auto" and self.device.type != "cuda":
-            self.metrics.info(f"note: --attention-backend {backend} chooses among CUDA kernels; on "
-                              f"{self.device.type} SDPA runs its {self.device.type} kernel")
 
     def _packed_flops_per_iteration(self, iterations: int) -> float | None:
         """With packed documents, the model FLOPs of the logged iterations' mean, attention
